@@ -1,0 +1,12 @@
+"""llm: a MosaicGPT-style decoder-only transformer with a correct, fast KV cache."""
+
+from llm.cache import Cache, DynamicCache, StaticCache
+from llm.config import MosaicGPTConfig
+from llm.generation import GenerateOutput, generate
+from llm.layers.attention import scaled_multihead_dot_product_attention
+from llm.model import CausalLMOutput, MosaicGPT
+
+__all__ = [
+    "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "MosaicGPT", "MosaicGPTConfig",
+    "StaticCache", "generate", "scaled_multihead_dot_product_attention",
+]

@@ -1,0 +1,216 @@
+"""Multi-head attention with separate query and key padding masks, correct under a KV cache.
+
+The generic function follows llm-foundry's ``scaled_multihead_dot_product_attention`` (MPT),
+extended with a causal mask aligned to the END of the keys, so that queries which come after
+cached keys see exactly the keys they would see in an uncached forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from llm.config import MosaicGPTConfig
+
+
+def _allowed_mask(
+    seq_q: int,
+    seq_k: int,
+    *,
+    key_padding_mask: torch.Tensor | None,
+    is_causal: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean (batch or 1, 1, seq_q, seq_k) mask of the keys each query may attend to, or None."""
+    allowed = None
+    if is_causal and seq_q > 1:
+        # query i is the (seq_k - seq_q + i)-th token: it sees keys 0 .. seq_k - seq_q + i.
+        q_idx = torch.arange(seq_k - seq_q, seq_k, device=device)[:, None]
+        allowed = (torch.arange(seq_k, device=device)[None, :] <= q_idx)[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :].bool()
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def attention_heads(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    attn_bias: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
+    is_causal: bool = True,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    impl: str = "torch",
+) -> torch.Tensor:
+    """Attention over head-split tensors; the core of :func:`scaled_multihead_dot_product_attention`.
+
+    Args:
+        query: (batch, n_heads, seq_q, head_dim).
+        key, value: (batch, kv_n_heads, seq_k, head_dim); n_heads must be a multiple of
+            kv_n_heads (grouped-query attention: query head h uses kv head h // group).
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        attn_bias: additive float bias broadcastable to (batch, n_heads, seq_q, seq_k), e.g. ALiBi.
+        key_padding_mask: (batch, seq_k) bool, True for real keys.
+        query_padding_mask: (batch, seq_q) bool, True for real queries; other rows come out as 0.
+        is_causal: mask keys after each query, aligned to the end of the keys.
+        impl: ``"torch"`` (explicit matmul + fp32 softmax) or ``"sdpa"``
+            (``torch.nn.functional.scaled_dot_product_attention``).
+
+    Returns:
+        (batch, n_heads, seq_q, head_dim), in the dtype of ``query``. A query with no key to
+        attend to (e.g. a left-padding position) gives zeros, never NaN.
+
+    Raises:
+        ValueError: on an unknown ``impl`` or head counts that do not divide.
+    """
+    batch, n_heads, seq_q, head_dim = query.shape
+    kv_heads, seq_k = key.shape[1], key.shape[2]
+    if n_heads % kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of the key heads ({kv_heads})")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    allowed = _allowed_mask(
+        seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
+    )
+    p = dropout_p if training else 0.0
+
+    if impl == "sdpa":
+        mask = None
+        causal_fast = is_causal and seq_q == seq_k and seq_q > 1 and attn_bias is None and key_padding_mask is None
+        if not causal_fast and (allowed is not None or attn_bias is not None):
+            # A float mask with a finite floor keeps fully masked rows free of NaN; half the
+            # dtype's minimum leaves room for the scores so that fp16 does not overflow to -inf.
+            neg = torch.finfo(query.dtype).min / 2
+            bias = attn_bias.to(query.dtype) if attn_bias is not None else torch.zeros((), dtype=query.dtype, device=query.device)
+            mask = bias if allowed is None else torch.where(allowed, bias, neg)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast,
+            scale=scale, enable_gqa=kv_heads != n_heads,
+        )
+    elif impl == "torch":
+        group = n_heads // kv_heads
+        # Fold the query heads of a group into the query axis: no copy of the keys per head.
+        q = query.reshape(batch, kv_heads, group * seq_q, head_dim)
+        scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, n_heads, seq_q, seq_k)
+        scores = scores.float() * scale
+        if attn_bias is not None:
+            scores = scores + attn_bias.float()
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = scores.softmax(dim=-1).to(query.dtype)
+        if p > 0:
+            probs = F.dropout(probs, p=p, training=True)
+        out = torch.matmul(probs.view(batch, kv_heads, group * seq_q, seq_k), value)
+        out = out.view(batch, n_heads, seq_q, head_dim)
+    else:
+        raise ValueError(f"impl must be 'torch' or 'sdpa', got {impl!r}")
+
+    if key_padding_mask is not None:
+        # Rows that attend to nothing (all their keys padding) are zeroed, not averaged.
+        out = out * allowed.any(dim=-1, keepdim=True).to(out.dtype)
+    if query_padding_mask is not None:
+        out = out * query_padding_mask[:, None, :, None].to(out.dtype)
+    return out
+
+
+def scaled_multihead_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    n_heads: int,
+    *,
+    kv_n_heads: int | None = None,
+    softmax_scale: float | None = None,
+    attn_bias: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
+    is_causal: bool = True,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    impl: str = "torch",
+) -> torch.Tensor:
+    """Generic multi-head attention over unsplit tensors, with separate query and key padding masks.
+
+    As llm-foundry's function of the same name (MPT), but the causal mask is aligned to the end
+    of the keys: query i sees keys up to seq_k - seq_q + i, which is right when the keys hold a
+    cache followed by the queries' own keys.
+
+    Args:
+        query: (batch, seq_q, n_heads * head_dim).
+        key, value: (batch, seq_k, kv_n_heads * head_dim); kv_n_heads defaults to n_heads.
+        n_heads: number of query heads.
+        attn_bias, key_padding_mask, query_padding_mask, is_causal, softmax_scale, dropout_p,
+        training, impl: as in :func:`attention_heads` (masks are bool, True for real tokens).
+
+    Returns:
+        (batch, seq_q, n_heads * head_dim). Padding query rows are zeros; no row is ever NaN
+        (fully masked rows included) in fp32, fp16 or bf16.
+    """
+    kv_n_heads = kv_n_heads or n_heads
+    q = rearrange(query, "b s (h d) -> b h s d", h=n_heads)
+    k = rearrange(key, "b s (h d) -> b h s d", h=kv_n_heads)
+    v = rearrange(value, "b s (h d) -> b h s d", h=kv_n_heads)
+    out = attention_heads(
+        q, k, v, softmax_scale=softmax_scale, attn_bias=attn_bias,
+        key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        is_causal=is_causal, dropout_p=dropout_p, training=training, impl=impl,
+    )
+    return rearrange(out, "b h s d -> b s (h d)")
+
+
+class MultiheadAttention(nn.Module):
+    """Self-attention block layer: fused QKV projection, optional rotary positions, KV cache.
+
+    Parameter names follow MPT: ``Wqkv`` (d_model -> (n_heads + 2 * kv_n_heads) * head_dim) and
+    ``out_proj``.
+    """
+
+    def __init__(self, config: MosaicGPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.kv_n_heads = config.kv_n_heads
+        self.head_dim = config.head_dim
+        self.attn_impl = config.attn_impl
+        self.attn_pdrop = config.attn_pdrop
+        bias = not config.no_bias
+        self.Wqkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        past_key_values=None,
+        attn_bias: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        query_padding_mask: torch.Tensor | None = None,
+        rotary=None,
+    ) -> torch.Tensor:
+        """x: (batch, seq, d_model) -> (batch, seq, d_model).
+
+        ``past_key_values`` (a cache from :mod:`llm.cache`) receives this layer's new keys and
+        values and returns all keys and values so far. ``rotary`` is a callable applied to the
+        query and key heads (rotary position embedding) before they are cached.
+        """
+        batch, seq, _ = x.shape
+        qkv = self.Wqkv(x).view(batch, seq, self.n_heads + 2 * self.kv_n_heads, self.head_dim)
+        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.kv_n_heads, self.kv_n_heads], dim=1)
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        out = attention_heads(
+            q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask, is_causal=True,
+            dropout_p=self.attn_pdrop, training=self.training, impl=self.attn_impl,
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))

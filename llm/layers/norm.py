@@ -1,0 +1,32 @@
+"""Normalization layers: LayerNorm (GPT-2, MPT) and RMSNorm (Llama)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llm.config import MosaicGPTConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 as transformers' ``LlamaRMSNorm``.
+
+    (..., d) -> (..., d) in the input's dtype.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def build_norm(config: MosaicGPTConfig) -> nn.Module:
+    """The norm named by ``config.norm_type``; LayerNorm has no bias when ``config.no_bias``."""
+    if config.norm_type == "rmsnorm":
+        return RMSNorm(config.d_model, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.d_model, eps=config.layer_norm_epsilon, bias=not config.no_bias)
