@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny models of every position scheme and attention implementation."""
+
+import pytest
+import torch
+
+from llm import MosaicGPT, MosaicGPTConfig
+
+POSITION_SCHEMES = {
+    "learned": dict(learned_pos_emb=True),
+    "alibi": dict(learned_pos_emb=False, alibi=True),
+    "rope": dict(learned_pos_emb=False, rope=True),
+    # Llama-style: rotary, grouped-query attention, SwiGLU, RMSNorm, no biases, untied head.
+    "llama": dict(learned_pos_emb=False, rope=True, kv_n_heads=2, ffn_type="glu", ffn_act="silu",
+                  norm_type="rmsnorm", no_bias=True, tie_word_embeddings=False),
+}
+
+
+def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0, **overrides) -> MosaicGPT:
+    """A randomly initialised 2-layer model in eval mode (weights scaled up so logits vary)."""
+    torch.manual_seed(seed)
+    options = dict(vocab_size=61, max_seq_len=96, d_model=32, n_heads=4, n_layers=2, attn_impl=attn_impl,
+                   init_std=0.2)
+    options.update(POSITION_SCHEMES[scheme])
+    options.update(overrides)
+    return MosaicGPT(MosaicGPTConfig(**options)).eval()
+
+
+@pytest.fixture(params=[(s, i) for s in POSITION_SCHEMES for i in ("torch", "sdpa")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def model(request):
+    scheme, impl = request.param
+    return tiny_model(scheme, impl)
