@@ -16,6 +16,7 @@ from torch import nn
 
 from llm.cache import Cache, DynamicCache
 from llm.config import MosaicGPTConfig
+from llm.generation import generate, stream
 from llm.layers.blocks import MosaicGPTBlock
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
@@ -106,7 +107,7 @@ class MosaicGPT(nn.Module):
                 1 for real tokens, 0 for padding (left padding for generation). None: all real.
             position_ids: (batch or 1, seq) int64; default: the cache length onwards, shifted by
                 left padding so each row's first real token has position 0. Used by learned and
-                rotary positions; ALiBi depends on key offsets only.
+                rotary positions; ALiBi counts distances between real tokens (from attention_mask).
             past_key_values: a :class:`~llm.cache.Cache` (updated in place), or transformers'
                 legacy tuple of (key, value) per layer, each (batch, kv_n_heads, past, head_dim);
                 None for no cache.
@@ -187,7 +188,11 @@ class MosaicGPT(nn.Module):
         attn_bias = None
         if self.config.alibi:
             slopes = alibi_slopes(self.config.n_heads, self.config.alibi_bias_max, device=x.device)
-            attn_bias = alibi_bias(slopes, total, x.dtype)
+            if attention_mask is None:
+                key_positions = torch.arange(total, device=x.device)[None]
+            else:
+                key_positions = attention_mask.long().cumsum(-1)
+            attn_bias = alibi_bias(slopes, key_positions, x.dtype)
         query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
         for block in self.blocks:
             x = block(
@@ -203,9 +208,12 @@ class MosaicGPT(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """Decode new tokens; see :func:`llm.generation.generate` for every argument."""
-        from llm.generation import generate
-
         return generate(self, input_ids, **kwargs)
+
+    @torch.no_grad()
+    def stream(self, input_ids: torch.Tensor | None = None, **kwargs):
+        """Yield new tokens as they are decoded; see :func:`llm.generation.stream`."""
+        yield from stream(self, input_ids, **kwargs)
 
     # -- files --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike, tokenizer=None) -> None:

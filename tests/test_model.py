@@ -175,3 +175,18 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
     (tmp_path / "m" / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=r"do not fit its config: .*wte.weight: file has \(61, 64\), config needs \(61, 32\)"):
         MosaicGPT.from_pretrained(tmp_path / "m")
+
+
+@torch.no_grad()
+def test_padding_between_a_cached_prefix_and_new_tokens_is_invisible(model):
+    """[prefix][padding][suffix] with its mask equals [prefix][suffix] run alone, for every scheme."""
+    ids = torch.randint(0, 61, (1, 12))
+    alone = model(ids).logits
+    gapped = torch.cat([ids[:, :5], torch.zeros(1, 3, dtype=torch.long), ids[:, 5:]], dim=1)
+    mask = torch.ones_like(gapped, dtype=torch.bool)
+    mask[:, 5:8] = False
+    cache = DynamicCache()
+    first = model(gapped[:, :5], past_key_values=cache).logits
+    rest = model(gapped[:, 5:], attention_mask=mask, past_key_values=cache).logits
+    torch.testing.assert_close(first, alone[:, :5], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rest[:, 3:], alone[:, 5:], atol=ATOL, rtol=0)

@@ -1,4 +1,4 @@
-"""Turning next-token logits into tokens: greedy, temperature, top-k, top-p and min-p sampling."""
+"""Turning next-token logits into tokens: repetition penalty, greedy, temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
@@ -20,19 +20,6 @@ def validate_sampling(
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
     if repetition_penalty is not None and repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {repetition_penalty!r}")
-
-
-def apply_repetition_penalty(logits: torch.Tensor, previous: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's repetition penalty (Keskar et al. 2019), as transformers applies it.
-
-    Args:
-        logits: (batch, vocab) float.
-        previous: (batch, n) int64, every token seen so far (prompt, cached ones included).
-        penalty: > 1 discourages repeats: positive logits are divided by it, negative multiplied.
-    """
-    seen = logits.gather(-1, previous)
-    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits.scatter(-1, previous, seen)
 
 
 def filter_logits(
@@ -62,16 +49,61 @@ def filter_logits(
     return logits
 
 
-def next_tokens(
-    logits: torch.Tensor, *, do_sample: bool, temperature: float = 1.0, top_k: int | None = None,
-    top_p: float | None = None, min_p: float | None = None, generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Pick one token per row: (batch, vocab) logits -> (batch,) int64.
+class Sampler:
+    """Turns a row's next-token logits into a distribution and picks from it.
 
-    Greedy (argmax) unless ``do_sample`` and ``temperature`` > 0; then a draw from the
-    filtered distribution with ``generator``.
+    Processing order as in transformers: repetition penalty, then temperature, top-k, min-p and
+    top-p. Greedy (``do_sample=False`` or ``temperature=0``) gives one-hot distributions, so the
+    speculative acceptance rule reduces to "accept while the draft equals the argmax".
+
+    Args:
+        do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``generate``.
+        generator: the random source of every draw (seeded by ``generate(seed=...)``).
+
+    Raises:
+        ValueError: naming an argument outside its allowed range.
     """
-    if not do_sample or temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    def __init__(self, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, generator: torch.Generator | None = None):
+        validate_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=repetition_penalty)
+        self.greedy = not do_sample or temperature == 0
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
+        self.repetition_penalty = repetition_penalty if repetition_penalty not in (None, 1.0) else None
+        self.generator = generator
+
+    def scores(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n, vocab) fp32 processed logits; ``seen`` (n, vocab) bool marks tokens
+        already in the sequence, for the repetition penalty."""
+        logits = logits.float()
+        if self.repetition_penalty is not None and seen is not None:
+            penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        if self.greedy:
+            return logits
+        return filter_logits(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                             min_p=self.min_p)
+
+    def probs(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n, vocab) fp32 distribution (one-hot when greedy)."""
+        scores = self.scores(logits, seen)
+        if self.greedy:
+            return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+        return scores.softmax(-1)
+
+    def pick(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n,) int64 tokens."""
+        if self.greedy:
+            return self.scores(logits, seen).argmax(-1)
+        return self.draw(self.probs(logits, seen))
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row of (n, vocab) probabilities -> (n,) int64."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1), from the same generator."""
+        device = self.generator.device if self.generator is not None else "cpu"
+        return float(torch.rand((), generator=self.generator, device=device))

@@ -45,16 +45,21 @@ def alibi_slopes(n_heads: int, alibi_bias_max: int = 8, device=None) -> torch.Te
     return slopes
 
 
-def alibi_bias(slopes: torch.Tensor, seq_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """ALiBi's additive attention bias over all keys, the cache included: (1, n_heads, 1, seq_k).
+def alibi_bias(slopes: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ALiBi's additive attention bias over all keys, the cache included: (batch or 1, n_heads, 1, seq_k).
 
-    As in MPT, the bias of key j is ``slope * (j - (seq_k - 1))``, the negated distance to the
-    last key. Within a row this differs from ``-slope * (i - j)`` by a constant, which softmax
-    ignores, so it is exact for any query under a cache; left padding is contiguous, so
-    distances between real tokens are index distances.
+    As in MPT, the bias of a key is ``slope * (position - last position)``, the negated distance
+    to the last key. Within a row this differs from ``-slope * (i - j)`` by a constant, which
+    softmax ignores, so it is exact for every query under a cache. Positions count real tokens
+    only, so padding anywhere in the row (left, or between a cached prefix and a new prompt)
+    does not stretch distances.
+
+    Args:
+        slopes: (n_heads,) from :func:`alibi_slopes`.
+        key_positions: (batch or 1, seq_k) int positions of the keys.
     """
-    distance = torch.arange(1 - seq_k, 1, dtype=torch.float32, device=slopes.device)
-    return (slopes[:, None] * distance[None, :]).to(dtype)[None, :, None, :]
+    distance = (key_positions - key_positions[:, -1:]).to(torch.float32)
+    return (slopes[None, :, None, None] * distance[:, None, None, :]).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,0 +1,116 @@
+"""Reference (LLMA / prompt lookup) and draft-model speculative decoding: greedy output identical to
+plain greedy decoding, and with sampling exactly the model's distribution."""
+
+import itertools
+
+import pytest
+import torch
+
+from tests.conftest import POSITION_SCHEMES, tiny_model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", list(POSITION_SCHEMES))
+def test_reference_decoding_is_greedy_decoding_and_copies_in_few_forwards(scheme):
+    model = tiny_model(scheme)
+    prompt = torch.randint(0, 61, (1, 8))
+    plain = model.generate(prompt, max_new_tokens=40, return_dict_in_generate=True)
+    answer = plain.sequences[0, 8:]
+    # the answer itself as the reference document: drafts are right, so few forwards are needed
+    copied = model.generate(prompt, max_new_tokens=40, prompt_lookup_num_tokens=8, max_matching_ngram_size=3,
+                            reference_ids=[answer], return_dict_in_generate=True)
+    assert torch.equal(copied.sequences, plain.sequences)
+    assert copied.stats["forward_passes"] <= 12 < plain.stats["forward_passes"] == 40
+    assert copied.stats["accepted_tokens"] >= 30
+    # wrong drafts (a random document, and the prompt itself) cost forwards but never change tokens
+    noisy = model.generate(prompt, max_new_tokens=40, prompt_lookup_num_tokens=4, max_matching_ngram_size=1,
+                           reference_ids=[torch.randint(0, 61, (200,))], return_dict_in_generate=True)
+    assert torch.equal(noisy.sequences, plain.sequences)
+    assert noisy.stats["proposed_tokens"] > noisy.stats["accepted_tokens"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["learned", "alibi", "llama"])
+def test_draft_model_decoding_is_greedy_decoding(scheme):
+    model = tiny_model(scheme)
+    draft = tiny_model(scheme, seed=5, n_layers=1)
+    prompt = torch.randint(0, 61, (1, 6))
+    plain = model.generate(prompt, max_new_tokens=30)
+    out = model.generate(prompt, max_new_tokens=30, assistant_model=draft, num_assistant_tokens=3,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.stats["proposed_tokens"] > 0
+    # the model as its own draft: every draft token is accepted, k + 1 tokens per verification
+    same = model.generate(prompt, max_new_tokens=30, assistant_model=model, num_assistant_tokens=4,
+                          return_dict_in_generate=True)
+    assert torch.equal(same.sequences, plain)
+    assert same.stats["accepted_tokens"] == same.stats["proposed_tokens"] == 4 * 5 + 3  # last step: room for 3
+    assert same.stats["forward_passes"] == 1 + 6
+
+
+@torch.no_grad()
+def test_speculative_batch_equals_plain_batch():
+    model = tiny_model("alibi")
+    ids = torch.randint(0, 61, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=16)
+    lookup = model.generate(ids, attention_mask=mask, max_new_tokens=16, prompt_lookup_num_tokens=3,
+                            max_matching_ngram_size=1)
+    drafted = model.generate(ids, attention_mask=mask, max_new_tokens=16, assistant_model=model)
+    assert torch.equal(lookup, plain) and torch.equal(drafted, plain)
+
+
+def exact_distribution(model, prompt, n, vocab, **filters):
+    """P(t1..tn | prompt) for every sequence, by enumeration, from the sampler's own filters."""
+    from llm.generation import Sampler
+
+    sampler = Sampler(do_sample=True, **filters)
+    probs = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        ids = torch.cat([prompt, torch.tensor([seq[:-1]], dtype=torch.long)], dim=1)
+        p = 1.0
+        for i, t in enumerate(seq):
+            dist = sampler.probs(model(ids[:, : prompt.shape[1] + i]).logits[:, -1])[0]
+            p *= float(dist[t])
+        probs[seq] = p
+    return probs
+
+
+def chi_square(samples, probs):
+    counts = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    n = len(samples)
+    return sum((counts.get(s, 0) - n * p) ** 2 / (n * p) for s, p in probs.items() if n * p >= 5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["draft", "lookup"])
+def test_speculative_sampling_gives_exactly_the_models_distribution(mode):
+    vocab, n_new, n_samples = 4, 3, 1200
+    model = tiny_model("alibi", vocab_size=vocab, seed=1, init_std=0.5)
+    draft = tiny_model("alibi", vocab_size=vocab, seed=2, init_std=0.5, n_layers=1)
+    prompt = torch.tensor([[1, 3, 0, 2]])
+    filters = dict(temperature=0.9, top_k=3)
+    probs = exact_distribution(model, prompt, n_new, vocab, **filters)
+    extra = (dict(assistant_model=draft, num_assistant_tokens=2) if mode == "draft" else
+             dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1,
+                  reference_ids=[torch.tensor([0, 1, 2, 3, 3, 2, 1, 0, 2, 0, 3, 1])]))
+    samples, accepted = [], 0
+    for seed in range(n_samples):
+        out = model.generate(prompt, max_new_tokens=n_new, do_sample=True, seed=seed, return_dict_in_generate=True,
+                             **filters, **extra)
+        samples.append(tuple(out.sequences[0, 4:].tolist()))
+        accepted += out.stats["accepted_tokens"]
+    assert accepted > n_samples // 20  # drafts were accepted: the acceptance rule was exercised
+    cells = sum(1 for p in probs.values() if n_samples * p >= 5)
+    # chi-square with `cells - 1` degrees of freedom: mean dof, sd sqrt(2 dof); 5 sd is far out
+    bound = cells - 1 + 5 * (2 * (cells - 1)) ** 0.5
+    assert chi_square(samples, probs) < bound
+    # the draft's own distribution is far from the model's: the test can tell them apart
+    if mode == "draft":
+        wrong = exact_distribution(draft, prompt, n_new, vocab, **filters)
+        wrong_samples = [s for s, p in wrong.items() for _ in range(round(p * n_samples))]
+        assert chi_square(wrong_samples, probs) > 3 * bound
