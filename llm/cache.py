@@ -29,6 +29,7 @@ class Cache:
     """Base class of the caches; see :class:`DynamicCache` and :class:`StaticCache`."""
 
     def __init__(self) -> None:
+        self.metadata: dict = {}
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._lengths: list[int] = []
@@ -124,6 +125,7 @@ class Cache:
         other._keys = [k.clone() for k in self._keys]
         other._values = [v.clone() for v in self._values]
         other._lengths = list(self._lengths)
+        other.metadata = dict(self.metadata)
         return other
 
     # -- iteration and the legacy tuple format ---------------------------------------------
@@ -163,10 +165,15 @@ class Cache:
         return cache
 
     # -- files ----------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the cached positions to ``path`` (``torch.save`` format), atomically."""
+    def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
+        """Write the cached positions to ``path`` (``torch.save`` format), atomically.
+
+        ``metadata`` (plain ints, floats, strings, lists and dicts; e.g. the token ids the cache
+        holds) is stored alongside and comes back as :attr:`metadata` from :meth:`load`.
+        """
         state = {
             "format": _FORMAT,
+            "metadata": metadata or {},
             "class": type(self).__name__,
             "max_cache_len": self.get_max_length(),
             "keys": [k.contiguous() for k, _ in self],
@@ -205,6 +212,7 @@ class Cache:
             cache = DynamicCache()
         for i, (k, v) in enumerate(zip(state["keys"], state["values"])):
             cache.update(k, v, i)
+        cache.metadata = state.get("metadata", {})
         return cache
 
     # -- storage, specialised by subclasses ------------------------------------------------------

@@ -33,7 +33,8 @@ class GenerateOutput:
         past_key_values: the cache after decoding (it holds all but the last new token).
         stats: ``prefill_tokens``, ``new_tokens``, ``forward_passes`` (of the model, prefill
             included), ``proposed_tokens`` and ``accepted_tokens`` (draft tokens, any proposer),
-            ``draft_forward_passes``, ``prefill_tokens_per_s`` and ``decode_tokens_per_s``.
+            ``draft_forward_passes``, ``prefill_s`` and ``decode_s`` (seconds),
+            ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` (decode: tokens after the first).
     """
 
     sequences: torch.Tensor
@@ -239,6 +240,7 @@ class _Decoding:
         if not return_dict:
             return sequences
         n = generated.shape[1]
+        self.stats["prefill_s"], self.stats["decode_s"] = self.prefill_s, self.decode_s
         self.stats["prefill_tokens_per_s"] = self.stats["prefill_tokens"] / max(self.prefill_s, 1e-9)
         self.stats["decode_tokens_per_s"] = self.batch * (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else float("nan")
         return GenerateOutput(sequences=sequences, past_key_values=self.cache, stats=self.stats)
@@ -366,8 +368,8 @@ def _merge_rows(decodings, input_ids, attention_mask, return_dict):
     if not return_dict:
         return sequences
     stats = {k: sum(d.stats[k] for d in decodings) for k in decodings[0].stats}
-    prefill_s = sum(d.prefill_s for d in decodings)
-    decode_s = sum(d.decode_s for d in decodings)
+    prefill_s = stats["prefill_s"] = sum(d.prefill_s for d in decodings)
+    decode_s = stats["decode_s"] = sum(d.decode_s for d in decodings)
     stats["prefill_tokens_per_s"] = stats["prefill_tokens"] / max(prefill_s, 1e-9)
     stats["decode_tokens_per_s"] = (stats["new_tokens"] - len(decodings)) / decode_s if decode_s > 0 else float("nan")
     return GenerateOutput(sequences=sequences, past_key_values=None, stats=stats)
