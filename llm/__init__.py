@@ -2,11 +2,12 @@
 
 from llm.cache import Cache, DynamicCache, StaticCache
 from llm.config import MosaicGPTConfig
-from llm.generation import GenerateOutput, generate
+from llm.data import load_tokenizer
+from llm.generation import GenerateOutput, generate, stream
 from llm.layers.attention import scaled_multihead_dot_product_attention
 from llm.model import CausalLMOutput, MosaicGPT
 
 __all__ = [
     "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "MosaicGPT", "MosaicGPTConfig",
-    "StaticCache", "generate", "scaled_multihead_dot_product_attention",
+    "StaticCache", "generate", "load_tokenizer", "scaled_multihead_dot_product_attention", "stream",
 ]

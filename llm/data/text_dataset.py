@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from composer.utils import dist
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerFast
 
@@ -154,6 +153,8 @@ def build_text_dataloader(
         cache_dir=dataset_cfg.get("cache_dir", DEFAULT_CACHE_DIR),
     )
     dataset = PackedTextDataset(tokens, max_seq_len)
+    from composer.utils import dist  # here, not at the top: importing composer takes seconds
+
     sampler = dist.get_sampler(dataset, shuffle=loader_cfg["shuffle"], drop_last=loader_cfg["drop_last"], seed=seed)
     return DataLoader(
         dataset,

@@ -1,0 +1,180 @@
+"""Decoding benchmarks, each mode measured against its peer in the same run (``scripts/bench_generate.py``).
+
+Two tables:
+
+- speculative decoding: tokens/s of plain greedy, reference decoding (prompt lookup / LLMA)
+  and draft-model decoding, on a copy-heavy task (the prompt holds a passage that the answer
+  repeats) and on free generation, with a check that every mode's greedy tokens are identical;
+- transformers side by side: the same weights in transformers' ``LlamaForCausalLM`` against
+  ours, prefill and decode tokens/s at batch 1 and 8, dynamic and static caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from llm.cache import StaticCache
+from llm.data import load_corpus
+from llm.generation.generate import generate
+
+
+def _timed(fn, repeats: int):
+    """(best seconds over ``repeats`` runs after one warm-up, the last result)."""
+    result = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def copy_prompt(tokenizer, chat: bool) -> str:
+    """A prompt whose natural answer repeats a passage of held-out Shakespeare."""
+    passage = load_corpus("validation")[20000:20900]
+    passage = passage[passage.index("\n") + 1:]
+    if chat:
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, with no comment:\n\n{passage}"}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # a small model continues a passage it has just seen: show it twice, then start a third time
+    return f"{passage}\n\n{passage}\n\n{passage[:60]}"
+
+
+def free_prompt(tokenizer, chat: bool) -> str:
+    if chat:
+        messages = [{"role": "user", "content": "Write a short story about a fox and a crow."}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "ROMEO:\n"
+
+
+def speculative_table(model, tokenizer, draft, *, chat: bool, new_tokens: int, repeats: int, lookup_tokens: int,
+                      draft_tokens: int) -> list[dict]:
+    """Rows of task, mode, tokens/s, speed-up over greedy, acceptance and an identical-output check."""
+    rows = []
+    for task, prompt in (("copy", copy_prompt(tokenizer, chat)), ("free", free_prompt(tokenizer, chat))):
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
+        modes = {"greedy": {}, "lookup": dict(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=3)}
+        if draft is not None:
+            modes["draft"] = dict(assistant_model=draft, num_assistant_tokens=draft_tokens)
+        reference = None
+        for mode, extra in modes.items():
+            seconds, out = _timed(lambda: generate(model, ids, max_new_tokens=new_tokens, return_dict_in_generate=True,
+                                                   **extra), repeats)
+            new = out.sequences[0, ids.shape[1]:]
+            if reference is None:
+                reference, base = new, seconds
+            s = out.stats
+            rows.append(dict(
+                task=task, mode=mode, prompt_tokens=ids.shape[1], new_tokens=int(new.numel()),
+                tokens_per_s=new.numel() / seconds, speedup=base / seconds,
+                forward_passes=s["forward_passes"],
+                acceptance=s["accepted_tokens"] / s["proposed_tokens"] if s["proposed_tokens"] else None,
+                identical=bool(torch.equal(new, reference)),
+            ))
+    return rows
+
+
+def transformers_table(model, hf_model, tokenizer, *, new_tokens: int, repeats: int, batches=(1, 8)) -> list[dict]:
+    """Prefill and decode tokens/s of ours against transformers' on the same weights and prompts."""
+    from transformers import DynamicCache as HFDynamicCache
+    from transformers import StaticCache as HFStaticCache
+
+    text = load_corpus("validation")[5000:5600]
+    rows = []
+    for batch in batches:
+        ids = tokenizer([text] * batch, return_tensors="pt", add_special_tokens=False).input_ids
+        total = ids.shape[1] + new_tokens
+        for cache_kind in ("dynamic", "static"):
+            def ours():
+                cache = StaticCache(model.config, batch, total) if cache_kind == "static" else None
+                return generate(model, ids, past_key_values=cache, max_new_tokens=new_tokens, return_dict_in_generate=True)
+
+            def theirs():
+                cache = (HFStaticCache(config=hf_model.config, max_batch_size=batch, max_cache_len=total)
+                         if cache_kind == "static" else HFDynamicCache())
+                return hf_model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+            def prefill_ours():
+                return model(ids)
+
+            def prefill_theirs():
+                return hf_model(ids, use_cache=False)
+
+            with torch.no_grad():
+                p_ours, _ = _timed(prefill_ours, repeats)
+                p_theirs, _ = _timed(prefill_theirs, repeats)
+                t_ours, out_ours = _timed(ours, repeats)
+                t_theirs, out_theirs = _timed(theirs, repeats)
+            # decode time = whole generate minus its prefill
+            d_ours = batch * (new_tokens - 1) / max(t_ours - p_ours, 1e-9)
+            d_theirs = batch * (new_tokens - 1) / max(t_theirs - p_theirs, 1e-9)
+            rows.append(dict(
+                batch=batch, cache=cache_kind, prompt_tokens=ids.shape[1],
+                prefill_tokens_per_s=batch * ids.shape[1] / p_ours,
+                hf_prefill_tokens_per_s=batch * ids.shape[1] / p_theirs,
+                decode_tokens_per_s=d_ours, hf_decode_tokens_per_s=d_theirs, decode_ratio=d_ours / d_theirs,
+                identical=bool(torch.equal(out_ours.sequences, out_theirs)),
+            ))
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """A markdown table of rows of dicts (floats to 2 decimals)."""
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else ("-" if v is None else str(v))
+    lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks; prints markdown tables and optionally writes JSON."""
+    from llm import MosaicGPT, load_tokenizer
+
+    p = argparse.ArgumentParser(prog="scripts/bench_generate.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="runs/shakespeare/model", help="the Shakespeare model bundle")
+    p.add_argument("--draft-model", default="runs/shakespeare-draft/model", help="its draft model (skipped if absent)")
+    p.add_argument("--pretrained", default="smollm2-135m-instruct", help="a pretrained model; 'none' to skip")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--lookup-tokens", type=int, default=10)
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+
+    results = {}
+    model = MosaicGPT.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
+    draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
+    results["shakespeare"] = speculative_table(
+        model, tokenizer, draft, chat=False, new_tokens=args.new_tokens, repeats=args.repeats,
+        lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+    print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
+
+    if args.pretrained != "none":
+        model = MosaicGPT.from_pretrained(args.pretrained)
+        tokenizer = load_tokenizer(args.pretrained)
+        results["pretrained"] = speculative_table(
+            model, tokenizer, None, chat=True, new_tokens=args.new_tokens, repeats=args.repeats,
+            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+        print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
+        if not args.skip_transformers:
+            from llm.convert.gguf import load_transformers_reference
+
+            hf_model = load_transformers_reference(args.pretrained)
+            results["transformers"] = transformers_table(model, hf_model, tokenizer, new_tokens=64,
+                                                         repeats=args.repeats)
+            print(f"## Ours vs transformers, {args.pretrained}, fp32\n\n{markdown(results['transformers'])}\n",
+                  flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
