@@ -97,6 +97,7 @@ class MosaicGPT(nn.Module):
         position_ids: torch.Tensor | None = None,
         past_key_values: Cache | tuple | list | None = None,
         use_cache: bool = False,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
         """Logits of the next token at every new position.
 
@@ -112,9 +113,12 @@ class MosaicGPT(nn.Module):
                 legacy tuple of (key, value) per layer, each (batch, kv_n_heads, past, head_dim);
                 None for no cache.
             use_cache: create a :class:`~llm.cache.DynamicCache` when none is given.
+            logits_to_keep: compute logits for only the last this many positions (0: all), as
+                transformers; generation needs only the last, which saves the vocabulary
+                projection of the rest of the prompt.
 
         Returns:
-            :class:`CausalLMOutput` with ``logits`` (batch, seq, vocab_size) and
+            :class:`CausalLMOutput` with ``logits`` (batch, seq or logits_to_keep, vocab_size) and
             ``past_key_values`` (the cache, in the format it was given; legacy tuples are
             copied, never written in place).
 
@@ -199,6 +203,8 @@ class MosaicGPT(nn.Module):
                 x, past_key_values=cache, attn_bias=attn_bias, key_padding_mask=attention_mask,
                 query_padding_mask=query_padding_mask, rotary=rotary,
             )
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
         x = self.norm_f(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
         if legacy:
@@ -243,19 +249,34 @@ class MosaicGPT(nn.Module):
     @classmethod
     def from_pretrained(
         cls,
-        directory: str | os.PathLike,
+        name_or_path: str | os.PathLike,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> "MosaicGPT":
-        """Load a model written by :meth:`save_pretrained`, in eval mode.
+        """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
+        a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
+        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.convert.registry`).
 
         Raises:
-            FileNotFoundError: if the directory, its config or its weights are missing.
+            FileNotFoundError: if the directory, its config or its weights are missing, or the
+                GGUF file is (for a registered name: run ``make data``).
             ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
-                naming the file and the tensors that did not fit.
+                naming the file and the tensors that did not fit; for a GGUF file, also an
+                unsupported architecture or quantization type (see :func:`llm.convert.load_gguf`).
         """
-        directory = Path(directory)
+        from llm.convert.registry import PRETRAINED, resolve  # lazy: llm.convert imports this module
+
+        kind, directory = resolve(name_or_path)
+        if kind == "gguf":
+            from llm.convert.gguf import load_gguf
+
+            return load_gguf(directory, dtype=dtype, device=device)
+        if not directory.exists():
+            raise FileNotFoundError(
+                f"no {CONFIG_FILE} in {directory}: no such directory, .gguf file or registered model "
+                f"name (registered: {sorted(PRETRAINED)})"
+            )
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")

@@ -133,10 +133,10 @@ class _Decoding:
                           proposed_tokens=0, accepted_tokens=0, draft_forward_passes=0)
         self.prefill_s = self.decode_s = 0.0
 
-    def _forward(self, new: torch.Tensor) -> torch.Tensor:
+    def _forward(self, new: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         key = "input_ids" if new.dim() == 2 else "inputs_embeds"
         out = self.model(**{key: new}, attention_mask=self.mask if self.padded else None,
-                         past_key_values=self.cache, use_cache=True)
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self.stats["forward_passes"] += 1
         return out.logits
 
@@ -170,7 +170,7 @@ class _Decoding:
             return self._emit(self.sampler.pick(logits, self.seen)[:, None])
 
         fed = torch.cat([last, draft])[None]
-        logits = self._forward(fed)[0]
+        logits = self._forward(fed, logits_to_keep=fed.shape[1])[0]
         accepted, token = self._accept(draft, draft_probs, logits)
         self.stats["accepted_tokens"] += accepted
         self.cache.crop(self.cache.get_seq_length() - (draft.numel() - accepted))

@@ -91,9 +91,15 @@ def attention_heads(
             neg = torch.finfo(query.dtype).min / 2
             bias = attn_bias.to(query.dtype) if attn_bias is not None else torch.zeros((), dtype=query.dtype, device=query.device)
             mask = bias if allowed is None else torch.where(allowed, bias, neg)
+        gqa = kv_heads != n_heads
+        if gqa and query.device.type == "cpu":
+            # torch's CPU flash kernel has no grouped-query path (enable_gqa falls back to the
+            # slower math kernel): repeat the key heads instead.
+            key = key.repeat_interleave(n_heads // kv_heads, dim=1)
+            value = value.repeat_interleave(n_heads // kv_heads, dim=1)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast,
-            scale=scale, enable_gqa=kv_heads != n_heads,
+            query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast, scale=scale, enable_gqa=gqa,
         )
     elif impl == "torch":
         group = n_heads // kv_heads
