@@ -1,0 +1,458 @@
+"""Load Llama-architecture GGUF files (llama.cpp's format) into MosaicGPT, with their tokenizer.
+
+GGUF stores each tensor's dimensions innermost first; the ``gguf`` package's reader already gives
+them outermost first (``(out_features, in_features)`` for a linear weight), which is torch's order.
+Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32 with
+``gguf.quants.dequantize``.
+
+llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of every query and key projection so that
+the two halves of each rotary pair sit next to each other (GPT-J "interleaved" layout, which its
+rope kernel expects). MosaicGPT, like transformers' Llama, rotates the two HALVES of each head
+(``rotate_half``), so the permutation is undone here, as transformers does in
+``LlamaTensorProcessor._reverse_permute_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm.config import MosaicGPTConfig
+from llm.model import MosaicGPT
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Names of tokenizer.ggml.pre (llama.cpp's pre-tokenizer types) that we reproduce with the
+# `tokenizers` library, grouped by llama.cpp's regexes (llama-vocab.cpp).
+_GPT2_REGEX_PRE = ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")
+# Each digit on its own, then GPT-2's regex.
+_DIGITS_GPT2_REGEX_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SUPPORTED_PRE_TOKENIZERS = _GPT2_REGEX_PRE + _DIGITS_GPT2_REGEX_PRE + _LLAMA3_PRE
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+_MISSING = object()
+
+
+def _reader_class():
+    import gguf
+
+    class _Reader(gguf.GGUFReader):
+        """``gguf.GGUFReader`` without numpy.memmap's per-slice overhead.
+
+        The stock reader slices a ``numpy.memmap`` for every value of every metadata array; with
+        ~100k vocabulary strings and merges that takes seconds (memmap's ``__array_finalize__``).
+        Slicing a plain ndarray view of the same mapping gives the same arrays (still lazily paged
+        from the file), several times faster.
+        """
+
+        _itemsizes: dict = {}
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            count = int(count)
+            itemsize = self._itemsizes.get(dtype)
+            if itemsize is None:
+                itemsize = self._itemsizes[dtype] = int(np.empty([], dtype=dtype).itemsize)
+            arr = self._plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return _Reader
+
+
+def read_gguf(path: str | os.PathLike):
+    """Open a GGUF file: a ``gguf.GGUFReader`` (metadata parsed, tensors memory-mapped).
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+        ValueError: if it is not a readable GGUF file (bad magic, unknown version, truncated or
+            corrupt), naming the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    size = path.stat().st_size
+    try:
+        reader = _reader_class()(path)
+    except Exception as err:  # the reader raises ValueError, IndexError, KeyError... on a bad file
+        raise ValueError(f"cannot read GGUF file {path} (truncated or corrupt?): {type(err).__name__}: {err}") from err
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise ValueError(
+                f"GGUF file {path} is truncated or corrupt: tensor {tensor.name!r} needs bytes up to {end}, "
+                f"the file has {size}"
+            )
+    reader.path = path
+    return reader
+
+
+def _field(reader, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF file {reader.path} lacks the metadata key {key!r}")
+        return default
+    try:
+        return field.contents()
+    except Exception as err:
+        raise ValueError(f"GGUF file {reader.path}: cannot read metadata {key!r}: {err}") from err
+
+
+def _architecture(reader) -> str:
+    arch = _field(reader, "general.architecture", None)
+    if arch is None:
+        raise ValueError(f"GGUF file {reader.path} has no general.architecture: not a model file")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {reader.path} holds a {arch!r} model; supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _per_model_int(reader, key: str, default: Any = _MISSING) -> int:
+    """An integer hyper-parameter; llama.cpp allows a per-layer array, which must be uniform here."""
+    value = _field(reader, key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF file {reader.path}: {key} varies per layer ({value}); not supported")
+        value = value[0]
+    return int(value)
+
+
+def gguf_config(source, attn_impl: str = "sdpa") -> MosaicGPTConfig:
+    """The MosaicGPTConfig of a Llama GGUF file (a path, or a reader from :func:`read_gguf`).
+
+    Raises:
+        ValueError: for another architecture, or Llama options MosaicGPT does not implement
+            (rope scaling, partial rotary, a head size other than d_model / n_heads, experts).
+    """
+    reader = source if hasattr(source, "fields") else read_gguf(source)
+    arch = _architecture(reader)
+    a = f"{arch}."
+    d_model = _per_model_int(reader, a + "embedding_length")
+    n_heads = _per_model_int(reader, a + "attention.head_count")
+    kv_n_heads = _per_model_int(reader, a + "attention.head_count_kv", n_heads)
+    head_dim = d_model // n_heads
+    problems = []
+    if d_model % n_heads:
+        problems.append(f"embedding_length {d_model} is not a multiple of head_count {n_heads}")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = _field(reader, a + key, None)
+        if value is not None and int(value) != head_dim:
+            problems.append(f"{key}={value} differs from d_model/n_heads={head_dim}")
+    scaling = _field(reader, a + "rope.scaling.type", "none")
+    factor = float(_field(reader, a + "rope.scaling.factor", 1.0))
+    if scaling not in ("none", "") and factor != 1.0:
+        problems.append(f"rope scaling {scaling!r} (factor {factor})")
+    if int(_field(reader, a + "expert_count", 0) or 0) > 0:
+        problems.append("mixture of experts")
+    if problems:
+        raise ValueError(f"GGUF file {reader.path}: unsupported Llama options: " + "; ".join(problems))
+
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab_size = len(tokens.data)
+    elif a + "vocab_size" in reader.fields:
+        vocab_size = int(_field(reader, a + "vocab_size"))
+    elif embd is not None:
+        vocab_size = int(embd.shape[-1])
+    else:
+        raise ValueError(f"GGUF file {reader.path} has neither a token list nor token_embd.weight")
+    return MosaicGPTConfig(
+        vocab_size=vocab_size,
+        max_seq_len=int(_field(reader, a + "context_length")),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=int(_field(reader, a + "block_count")),
+        kv_n_heads=kv_n_heads,
+        ffn_hidden_size=_per_model_int(reader, a + "feed_forward_length"),
+        rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
+        layer_norm_epsilon=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        learned_pos_emb=False, rope=True, alibi=False, ffn_type="glu", ffn_act="silu", norm_type="rmsnorm",
+        no_bias=True, tie_word_embeddings="output.weight" not in names, attn_impl=attn_impl,
+    )
+
+
+def _dequantizable(qtype) -> bool:
+    from gguf import GGMLQuantizationType
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)
+    if traits is None:  # a gguf version without the private table: find out when dequantizing
+        return True
+    return qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype in traits
+
+
+def _dequantize(tensor, path) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as err:
+        raise ValueError(
+            f"GGUF file {path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+            f"which gguf cannot dequantize"
+        ) from err
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        # F32 tensors are read-only views of the file mapping: copy so torch owns writable memory.
+        array = np.array(array, dtype=np.float32, order="C", copy=True)
+    return torch.from_numpy(array)
+
+
+def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of a query/key projection's rows.
+
+    llama.cpp's converter does ``w.reshape(n_heads, 2, head_dim // 2, in).swapaxes(1, 2)`` (each
+    head's two halves interleaved); this is the inverse.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
+    """MosaicGPT's float32 state dict from an open Llama GGUF file, with ``config`` from :func:`gguf_config`.
+
+    Raises:
+        ValueError: for a tensor of a type gguf cannot dequantize (naming tensor and type), an
+            unexpected or missing tensor, or a tensor of the wrong shape.
+    """
+    path = reader.path
+    for t in reader.tensors:
+        if not _dequantizable(t.tensor_type):
+            raise ValueError(
+                f"GGUF file {path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, "
+                f"which gguf cannot dequantize"
+            )
+    head_dim, h, kv = config.head_dim, config.n_heads, config.kv_n_heads
+    own = {"token_embd.weight": "wte.weight", "output_norm.weight": "norm_f.weight"}
+    if not config.tie_word_embeddings:
+        own["output.weight"] = "lm_head.weight"
+    for i in range(config.n_layers):
+        own.update({
+            f"blk.{i}.attn_norm.weight": f"blocks.{i}.norm_1.weight",
+            f"blk.{i}.attn_output.weight": f"blocks.{i}.attn.out_proj.weight",
+            f"blk.{i}.ffn_norm.weight": f"blocks.{i}.norm_2.weight",
+            f"blk.{i}.ffn_gate.weight": f"blocks.{i}.ffn.gate_proj.weight",
+            f"blk.{i}.ffn_up.weight": f"blocks.{i}.ffn.up_proj.weight",
+            f"blk.{i}.ffn_down.weight": f"blocks.{i}.ffn.down_proj.weight",
+        })
+        for part in "qkv":
+            own[f"blk.{i}.attn_{part}.weight"] = None  # fused below
+    tensors = {t.name: t for t in reader.tensors}
+    unexpected = sorted(set(tensors) - set(own))
+    missing = sorted(set(own) - set(tensors))
+    if unexpected or missing:
+        raise ValueError(
+            f"GGUF file {path} does not hold a Llama model MosaicGPT can load: "
+            + "; ".join([f"unexpected tensor(s) {unexpected[:8]}"] * bool(unexpected)
+                        + [f"missing tensor(s) {missing[:8]}"] * bool(missing))
+        )
+
+    expected = {
+        "wte.weight": (config.vocab_size, config.d_model), "lm_head.weight": (config.vocab_size, config.d_model),
+        "norm_f.weight": (config.d_model,),
+    }
+    state = {}
+    for name, ours in own.items():
+        if ours is not None:
+            state[ours] = _dequantize(tensors[name], path)
+    for i in range(config.n_layers):
+        q, k, v = (_dequantize(tensors[f"blk.{i}.attn_{p}.weight"], path) for p in "qkv")
+        for tensor, name, shape in ((q, "attn_q", (h * head_dim, config.d_model)),
+                                    (k, "attn_k", (kv * head_dim, config.d_model)),
+                                    (v, "attn_v", (kv * head_dim, config.d_model))):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {tuple(tensor.shape)}, "
+                                 f"expected {shape}")
+        state[f"blocks.{i}.attn.Wqkv.weight"] = torch.cat([_unpermute(q, h), _unpermute(k, kv), v])
+        b = f"blocks.{i}."
+        expected.update({
+            b + "norm_1.weight": (config.d_model,), b + "norm_2.weight": (config.d_model,),
+            b + "attn.out_proj.weight": (config.d_model, h * head_dim),
+            b + "ffn.gate_proj.weight": (config.hidden_size, config.d_model),
+            b + "ffn.up_proj.weight": (config.hidden_size, config.d_model),
+            b + "ffn.down_proj.weight": (config.d_model, config.hidden_size),
+        })
+    wrong = [f"{k}: file has {tuple(state[k].shape)}, config needs {shape}"
+             for k, shape in expected.items() if k in state and tuple(state[k].shape) != shape]
+    if wrong:
+        raise ValueError(f"GGUF file {path}: tensors do not fit its metadata: " + "; ".join(wrong[:8]))
+    return state
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: torch.device | str | None = None,
+    attn_impl: str = "sdpa",
+) -> MosaicGPT:
+    """A MosaicGPT with the weights of a Llama-architecture GGUF file, in eval mode.
+
+    Every tensor is dequantized to float32, then cast to ``dtype`` (None: float32).
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+        ValueError: for an unreadable (truncated, corrupt) file, another architecture than Llama
+            (naming it and the supported ones), a tensor type gguf cannot dequantize (naming the
+            tensor and type), or Llama options MosaicGPT does not implement.
+    """
+    reader = read_gguf(path)
+    config = gguf_config(reader, attn_impl=attn_impl)
+    state = gguf_state_dict(reader, config)
+    with torch.device("meta"):
+        model = MosaicGPT(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device=device, dtype=dtype or torch.float32).eval()
+
+
+# -- tokenizer ---------------------------------------------------------------------------------
+def gguf_tokenizer(path: str | os.PathLike):
+    """The tokenizer stored in a GGUF file, as a transformers ``PreTrainedTokenizerFast``.
+
+    It carries the vocabulary, merges, special tokens (bos / eos / unk / pad from
+    ``tokenizer.ggml.*_token_id``), whether to prepend BOS / append EOS
+    (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``) and the chat template
+    (``tokenizer.chat_template``). Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``:
+    SmolLM, Llama 3, ...) are rebuilt here with llama.cpp's pre-tokenizer regexes; SentencePiece
+    ones (``"llama"``: Llama 2, Mistral, ...) go through transformers' GGUF converter.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`read_gguf`; ValueError for a file without a
+            tokenizer or with a tokenizer model / pre-tokenizer that is not supported.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    reader = read_gguf(path)
+    kind = _field(reader, "tokenizer.ggml.model", None)
+    if kind is None or "tokenizer.ggml.tokens" not in reader.fields:
+        raise ValueError(f"GGUF file {reader.path} holds no tokenizer (no tokenizer.ggml.model / tokens)")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type", None)
+
+    def token(key):
+        index = _field(reader, f"tokenizer.ggml.{key}_token_id", None)
+        if index is None:
+            return None
+        if not 0 <= int(index) < len(tokens):
+            raise ValueError(f"GGUF file {reader.path}: {key}_token_id {index} is outside the vocabulary")
+        return tokens[int(index)]
+
+    specials = {f"{key}_token": token(tid) for key, tid in
+                (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    specials = {k: v for k, v in specials.items() if v is not None}
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+
+    if kind == "gpt2":
+        backend = _byte_level_bpe(reader, tokens, types)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(reader, tokens, types)
+    else:
+        raise ValueError(f"GGUF file {reader.path}: tokenizer model {kind!r} is not supported; supported: "
+                         f"['gpt2', 'llama']")
+    _set_post_processor(backend, specials.get("bos_token") if add_bos else None,
+                        specials.get("eos_token") if add_eos else None)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        model_input_names=["input_ids", "attention_mask"],
+        clean_up_tokenization_spaces=False,
+        **specials,
+    )
+    template = _field(reader, "tokenizer.chat_template", None)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def _added_tokens(tokens, types):
+    from tokenizers import AddedToken
+
+    if types is None:
+        return [], []
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    return special, user
+
+
+def _byte_level_bpe(reader, tokens, types):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
+    # ByteLevel's own regex is GPT-2's; llama.cpp's "digits" group splits digits off first.
+    add_prefix_space = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
+    if pre in _GPT2_REGEX_PRE:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)]
+    elif pre in _DIGITS_GPT2_REGEX_PRE:
+        steps = [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)]
+    elif pre in _LLAMA3_PRE:
+        steps = [pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)]
+    else:
+        raise ValueError(f"GGUF file {reader.path}: pre-tokenizer {pre!r} is not supported; supported: "
+                         f"{sorted(SUPPORTED_PRE_TOKENIZERS)}")
+    merges = []
+    for merge in _field(reader, "tokenizer.ggml.merges", []):
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ValueError(f"GGUF file {reader.path}: malformed merge {merge!r}")
+        merges.append(tuple(pair))
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    special, user = _added_tokens(tokens, types)
+    backend.add_special_tokens(special)
+    backend.add_tokens(user)
+    return backend
+
+
+def _sentencepiece_bpe(reader, tokens, types):
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+
+    info = {"tokenizer_type": "llama", "tokens": tokens}
+    for key, ours in (("scores", "scores"), ("token_type", "token_type"), ("merges", "merges"),
+                      ("unknown_token_id", "unk_token_id"), ("bos_token_id", "bos_token_id"),
+                      ("eos_token_id", "eos_token_id"), ("add_space_prefix", "add_prefix_space")):
+        value = _field(reader, f"tokenizer.ggml.{key}", None)
+        if value is not None:
+            info[ours] = value
+    backend, _ = convert_gguf_tokenizer("llama", info)
+    return backend
+
+
+def _set_post_processor(backend, bos: str | None, eos: str | None) -> None:
+    """Prepend BOS / append EOS exactly as the file asks (transformers' GGUF converter does not)."""
+    from tokenizers import processors
+
+    if bos is None and eos is None:
+        if backend.post_processor is not None:
+            backend.post_processor = processors.Sequence([])
+        return
+    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
+    pair = single + " " + " ".join([*([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
+    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)

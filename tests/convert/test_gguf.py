@@ -1,0 +1,349 @@
+"""A real pretrained Llama (SmolLM2-135M-Instruct, Q4_1 GGUF) loaded into MosaicGPT gives transformers' logits
+and greedy tokens, with its tokenizer and chat template; broken or unsupported GGUF files fail clearly.
+
+The reference is transformers' own GGUF loader (``LlamaForCausalLM.from_pretrained(dir, gguf_file=...)``),
+which dequantizes and un-permutes the query/key rows independently of ours: a wrong un-permutation would
+rotate the wrong pairs of coordinates and the logits would not match.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from llm import DynamicCache, MosaicGPT
+from llm.convert import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
+from llm.convert import gguf as gguf_module
+from llm.convert.gguf import _reader_class
+from llm.convert.registry import REPO_ROOT
+
+torch.set_num_threads(1)
+
+NAME = "smollm2-135m-instruct"
+GGUF = REPO_ROOT / PRETRAINED[NAME]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Once upon a time, in a small village by the sea, there"]
+PAD = 2  # <|im_end|>, the file's padding token
+needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `make data`")
+
+
+def fast_transformers_gguf(monkeypatch):
+    """Two pure speed-ups of transformers' GGUF loading (20 s -> ~7 s for this file), same results:
+    it reads the file with ``gguf.GGUFReader``: swap in our subclass, which builds the same arrays
+    without numpy.memmap's per-slice overhead; and it rebuilds ``gguf.get_tensor_name_map(arch, n)``
+    (a fixed name table) for each of its ~400 modules: memoize it."""
+    import functools
+
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", _reader_class())
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+
+
+@pytest.fixture(scope="module")
+def ours():
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} missing: run `make data`")
+    return MosaicGPT.from_pretrained(NAME)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} missing: run `make data`")
+    from transformers import LlamaForCausalLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        fast_transformers_gguf(mp)
+        return LlamaForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} missing: run `make data`")
+    return load_tokenizer(NAME)
+
+
+def left_padded(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def batch(tok):
+    return left_padded([tok(p)["input_ids"] for p in PROMPTS])
+
+
+def positions(mask):
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def real(mask, x):
+    return x[mask.bool()]
+
+
+def test_config_from_metadata(ours):
+    c = ours.config
+    assert (c.vocab_size, c.max_seq_len, c.d_model, c.n_layers, c.n_heads, c.kv_n_heads, c.ffn_hidden_size) == (
+        49152, 8192, 576, 30, 9, 3, 1536)
+    assert c.rope and not c.learned_pos_emb and not c.alibi
+    assert (c.rope_theta, c.ffn_type, c.ffn_act, c.norm_type, c.no_bias) == (100000.0, "glu", "silu", "rmsnorm", True)
+    assert c.tie_word_embeddings and ours.lm_head is None  # the file has no output.weight
+    assert abs(c.layer_norm_epsilon - 1e-5) < 1e-9 and ours.dtype == torch.float32 and not ours.training
+
+
+@torch.no_grad()
+def test_logits_equal_transformers_per_prompt_and_on_left_padded_batch(ours, hf, batch):
+    ids, mask = batch
+    for i in range(len(PROMPTS)):
+        row = ids[i:i + 1, ~mask[i].eq(0)]
+        ref = hf(row).logits
+        assert ref.abs().max() > 10  # a trained model's confident logits
+        torch.testing.assert_close(ours(row).logits, ref, atol=1e-3, rtol=0)
+    ref = hf(ids, attention_mask=mask, position_ids=positions(mask)).logits
+    got = ours(ids, attention_mask=mask).logits
+    torch.testing.assert_close(real(mask, got), real(mask, ref), atol=1e-3, rtol=0)
+
+
+@torch.no_grad()
+def test_logits_equal_transformers_with_cache(ours, hf, batch):
+    """Prefill, then token by token, then a chunk of 3; both sides cached, left-padded batch."""
+    from transformers import DynamicCache as HFDynamicCache
+
+    ids, mask = batch
+    n = ids.shape[1]
+    steps = [(0, n - 5), (n - 5, n - 4), (n - 4, n - 3), (n - 3, n)]
+    ref_cache, cache = HFDynamicCache(), DynamicCache()
+    for a, b in steps:
+        ref = hf(ids[:, a:b], attention_mask=mask[:, :b], position_ids=positions(mask)[:, a:b],
+                 past_key_values=ref_cache, use_cache=True).logits
+        got = ours(ids[:, a:b], attention_mask=mask[:, :b], past_key_values=cache).logits
+        torch.testing.assert_close(real(mask[:, a:b], got), real(mask[:, a:b], ref), atol=1e-3, rtol=0)
+    assert cache.get_seq_length() == n
+
+
+@torch.no_grad()
+def test_greedy_equals_transformers_generate(ours, hf, batch):
+    """64 tokens for one prompt; 16 for the left-padded batch (three rows cost three times as much
+    on one CPU thread: 64 steps of both models would take ~45 s here)."""
+    ids, mask = batch
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
+    one = ids[2:3]  # the longest prompt: no padding
+    ref = hf.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=64, **kwargs)
+    got = ours.generate(one, max_new_tokens=64)
+    assert got.shape == (1, one.shape[1] + 64) and torch.equal(got, ref)
+
+    batch_ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
+    batch_got = ours.generate(ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(batch_got, batch_ref)
+    assert torch.equal(batch_got[2], ref[0, :ids.shape[1] + 16])  # the unpadded row decodes as it does alone
+
+
+@torch.no_grad()
+def test_seed_scenario_crop_two_and_refeed_equals_greedy_without_cache(ours, tok):
+    prompt = torch.tensor([tok(PROMPTS[0])["input_ids"]])
+    steps = 10
+    without = prompt
+    for _ in range(steps):
+        without = torch.cat([without, ours(without).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+    seq, out = prompt, ours(prompt, use_cache=True)
+    for step in range(steps):
+        if step:
+            cache = out.past_key_values.crop(seq.shape[1] - 2)
+            out = ours(seq[:, -2:], past_key_values=cache, use_cache=True)
+        seq = torch.cat([seq, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(seq, without)
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer_and_applies_chat_template(tok):
+    from transformers import AutoTokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        fast_transformers_gguf(mp)
+        ref = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    texts = [*PROMPTS, "12345 apples cost 3.14 €,  twice\n\n\tdone", "naïve café 日本語 😀",
+             "<|im_start|>user\nhi<|im_end|>\n"]
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        # transformers' GGUF converter prepends <|im_start|> as BOS although the file says
+        # tokenizer.ggml.add_bos_token = false (and calls it eos too); compare the text's ids.
+        assert ids == ref(text, add_special_tokens=False)["input_ids"], text
+        assert tok.decode(ids) == text
+    assert tok("<|im_start|>")["input_ids"] == [1]  # special tokens are not split
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.chat_template == ref.chat_template
+    messages = [{"role": "user", "content": "What is the capital of Germany?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n<|im_start|>user\nWhat is the capital of Germany?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == tok(text)["input_ids"]
+
+
+@torch.no_grad()
+def test_chat_answer_mentions_berlin(ours, tok):
+    messages = [{"role": "user", "content": "What is the capital of Germany?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    out = ours.generate(ids, max_new_tokens=30, eos_token_id=tok.eos_token_id)
+    assert "Berlin" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@torch.no_grad()
+def test_save_pretrained_bundle_loads_without_the_gguf(ours, tok, batch, tmp_path):
+    ours.save_pretrained(tmp_path / "bundle", tokenizer=tok)
+    loaded = MosaicGPT.from_pretrained(tmp_path / "bundle")
+    ids, mask = batch
+    torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits,
+                               atol=0, rtol=0)
+    assert loaded.config == ours.config
+    again = load_tokenizer(tmp_path / "bundle")
+    assert again.chat_template == tok.chat_template
+    assert (again.bos_token, again.eos_token, again.pad_token) == (tok.bos_token, tok.eos_token, tok.pad_token)
+    for text in PROMPTS:
+        assert again(text)["input_ids"] == tok(text)["input_ids"]
+
+
+# -- errors -------------------------------------------------------------------------------------
+@needs_file
+def test_truncated_or_corrupt_file_is_a_value_error_naming_it(tmp_path):
+    data = GGUF.read_bytes()
+    for n, name in ((len(data) // 2, "half.gguf"), (4096, "header.gguf")):
+        (tmp_path / name).write_bytes(data[:n])
+        with pytest.raises(ValueError, match=name):
+            MosaicGPT.from_pretrained(tmp_path / name)  # a .gguf path goes to the GGUF loader
+    with pytest.raises(ValueError, match="header.gguf"):
+        gguf_tokenizer(tmp_path / "header.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        load_gguf(tmp_path / "junk.gguf")
+
+
+def test_missing_files(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        MosaicGPT.from_pretrained(tmp_path / "nope.gguf")
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_tokenizer(tmp_path / "nope.gguf")
+    monkeypatch.setitem(PRETRAINED, NAME, tmp_path / "absent.gguf")
+    with pytest.raises(FileNotFoundError, match="make data"):
+        MosaicGPT.from_pretrained(NAME)
+    with pytest.raises(FileNotFoundError, match="make data"):
+        load_tokenizer(NAME)
+    with pytest.raises(FileNotFoundError, match="registered"):
+        MosaicGPT.from_pretrained(tmp_path / "no-such-model")
+
+
+# -- small synthetic GGUF files: untied head, other tensor types, unsupported content ----------
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of query/key rows (interleaved rotary halves)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_theta=5000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 1: perturb them so a missed norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def write_gguf(path, model, types=None, arch="llama", extra=None):
+    """Write a transformers Llama as llama.cpp would: GGUF names, permuted q/k rows, chosen tensor types."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    types = types or {}
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+               "output.weight": sd["lm_head.weight"]}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            f"blk.{i}.attn_norm.weight": sd[p + "input_layernorm.weight"],
+            f"blk.{i}.attn_q.weight": llama_permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads),
+            f"blk.{i}.attn_k.weight": llama_permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads),
+            f"blk.{i}.attn_v.weight": sd[p + "self_attn.v_proj.weight"],
+            f"blk.{i}.attn_output.weight": sd[p + "self_attn.o_proj.weight"],
+            f"blk.{i}.ffn_norm.weight": sd[p + "post_attention_layernorm.weight"],
+            f"blk.{i}.ffn_gate.weight": sd[p + "mlp.gate_proj.weight"],
+            f"blk.{i}.ffn_up.weight": sd[p + "mlp.up_proj.weight"],
+            f"blk.{i}.ffn_down.weight": sd[p + "mlp.down_proj.weight"],
+        })
+    tensors.update(extra or {})
+    for name, array in tensors.items():
+        qtype = types.get(name, Q.F32 if array.ndim == 1 else Q.F16)
+        if array.dtype.kind == "i":
+            w.add_tensor(name, array)  # an integer tensor (I32, ...): not a weight type
+        elif qtype == Q.F32:
+            w.add_tensor(name, array.astype(np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(name, array.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@torch.no_grad()
+def test_tiny_untied_gqa_model_of_mixed_tensor_types_equals_transformers(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+    from transformers import LlamaForCausalLM
+
+    types = {"token_embd.weight": Q.Q8_0, "output.weight": Q.BF16, "blk.0.attn_q.weight": Q.Q4_0,
+             "blk.0.attn_k.weight": Q.Q4_1, "blk.1.attn_q.weight": Q.Q5_0, "blk.1.attn_k.weight": Q.F32,
+             "blk.1.ffn_down.weight": Q.Q5_1}
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf_llama(), types)
+    ours = load_gguf(path, attn_impl="torch")
+    assert not ours.config.tie_word_embeddings and ours.config.kv_n_heads == 2
+    ref = LlamaForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    ids, mask = left_padded([[5, 17, 3, 90, 44, 8, 61, 12, 7], [33, 2, 71, 9], [40]])
+    expected = ref(ids, attention_mask=mask, position_ids=positions(mask)).logits
+    assert expected.abs().max() > 1
+    torch.testing.assert_close(real(mask, ours(ids, attention_mask=mask).logits), real(mask, expected),
+                               atol=1e-4, rtol=0)
+    # bf16 weights load too (cast after dequantizing)
+    assert load_gguf(path, dtype=torch.bfloat16).dtype == torch.bfloat16
+    # and the comparison is sensitive to the query/key un-permutation: without it, logits differ
+    monkeypatch.setattr(gguf_module, "_unpermute", lambda weight, n_heads: weight)
+    wrong = load_gguf(path, attn_impl="torch")(ids, attention_mask=mask).logits
+    assert (real(mask, wrong) - real(mask, expected)).abs().max() > 0.1
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_gguf(tmp_path / "neox.gguf", tiny_hf_llama(), arch="gptneox")
+    with pytest.raises(ValueError, match=r"'gptneox' model; supported architectures: \['llama'\]"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_gguf(tmp_path / "odd.gguf", tiny_hf_llama(),
+                      extra={"blk.1.ffn_up.weight": np.zeros((96, 64), dtype=np.int32)})
+    with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight' has quantization type I32"):
+        load_gguf(path)
