@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from llm.cache import StaticCache
+from llm.convert.registry import load_tokenizer
 from llm.data import load_corpus
 from llm.generation.generate import generate
+from llm.model import MosaicGPT
 
 
 def _timed(fn, repeats: int):
@@ -135,10 +137,36 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def hf_llama(model):
+    """transformers' ``LlamaForCausalLM`` holding the weights of a Llama-style MosaicGPT (fp32, eval)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.hidden_size,
+        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.kv_n_heads,
+        max_position_embeddings=c.max_seq_len, rope_theta=c.rope_theta, rms_norm_eps=c.layer_norm_epsilon,
+        tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa",
+    ))
+    q, kv = c.n_heads * c.head_dim, c.kv_n_heads * c.head_dim
+    state = {"model.embed_tokens.weight": model.wte.weight, "model.norm.weight": model.norm_f.weight}
+    if model.lm_head is not None:
+        state["lm_head.weight"] = model.lm_head.weight
+    for i, block in enumerate(model.blocks):
+        h = f"model.layers.{i}."
+        wq, wk, wv = block.attn.Wqkv.weight.split([q, kv, kv])
+        state.update({
+            h + "input_layernorm.weight": block.norm_1.weight, h + "post_attention_layernorm.weight": block.norm_2.weight,
+            h + "self_attn.q_proj.weight": wq, h + "self_attn.k_proj.weight": wk, h + "self_attn.v_proj.weight": wv,
+            h + "self_attn.o_proj.weight": block.attn.out_proj.weight, h + "mlp.gate_proj.weight": block.ffn.gate_proj.weight,
+            h + "mlp.up_proj.weight": block.ffn.up_proj.weight, h + "mlp.down_proj.weight": block.ffn.down_proj.weight,
+        })
+    hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=not c.tie_word_embeddings)
+    return hf.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; prints markdown tables and optionally writes JSON."""
-    from llm import MosaicGPT, load_tokenizer
-
     p = argparse.ArgumentParser(prog="scripts/bench_generate.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="runs/shakespeare/model", help="the Shakespeare model bundle")
     p.add_argument("--draft-model", default="runs/shakespeare-draft/model", help="its draft model (skipped if absent)")
@@ -168,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
         print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
         if not args.skip_transformers:
-            from llm.convert.gguf import load_transformers_reference
-
-            hf_model = load_transformers_reference(args.pretrained)
+            hf_model = hf_llama(model)
             results["transformers"] = transformers_table(model, hf_model, tokenizer, new_tokens=64,
                                                          repeats=args.repeats)
             print(f"## Ours vs transformers, {args.pretrained}, fp32\n\n{markdown(results['transformers'])}\n",

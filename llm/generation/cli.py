@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.data import load_tokenizer
+from llm.convert.registry import load_tokenizer
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
 
