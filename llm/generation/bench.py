@@ -36,15 +36,19 @@ def _timed(fn, repeats: int):
     return best, result
 
 
-def copy_prompt(tokenizer, chat: bool) -> str:
-    """A prompt whose natural answer repeats a passage of held-out Shakespeare."""
+def copy_prompt(tokenizer, chat: bool, max_tokens: int | None) -> str:
+    """A prompt whose natural answer repeats a passage of held-out Shakespeare, in ``max_tokens``."""
     passage = load_corpus("validation")[20000:20900]
     passage = passage[passage.index("\n") + 1:]
     if chat:
         messages = [{"role": "user", "content": f"Repeat the following text exactly, with no comment:\n\n{passage}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # a small model continues a passage it has just seen: show it twice, then start a third time
-    return f"{passage}\n\n{passage}\n\n{passage[:60]}"
+    while True:
+        prompt = f"{passage}\n\n{passage}\n\n{passage[:40]}"
+        if max_tokens is None or len(tokenizer(prompt).input_ids) <= max_tokens:
+            return prompt
+        passage = passage[: int(len(passage) * 0.9)]
 
 
 def free_prompt(tokenizer, chat: bool) -> str:
@@ -58,7 +62,10 @@ def speculative_table(model, tokenizer, draft, *, chat: bool, new_tokens: int, r
                       draft_tokens: int) -> list[dict]:
     """Rows of task, mode, tokens/s, speed-up over greedy, acceptance and an identical-output check."""
     rows = []
-    for task, prompt in (("copy", copy_prompt(tokenizer, chat)), ("free", free_prompt(tokenizer, chat))):
+    if model.config.learned_pos_emb:  # prompt + new tokens must fit the position table
+        new_tokens = min(new_tokens, model.config.max_seq_len // 3)
+    budget = model.config.max_seq_len - new_tokens if model.config.learned_pos_emb else None
+    for task, prompt in (("copy", copy_prompt(tokenizer, chat, budget)), ("free", free_prompt(tokenizer, chat))):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
         modes = {"greedy": {}, "lookup": dict(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=3)}
         if draft is not None:
@@ -176,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     results = {}
     model = MosaicGPT.from_pretrained(args.model)
