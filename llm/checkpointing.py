@@ -1,0 +1,191 @@
+"""Safer Composer checkpoints: atomic writes, a repair step before autoresume, clear load errors.
+
+Composer 0.32.1 (``composer/utils/checkpoint.py: _write_checkpoint_file``) writes a monolithic
+checkpoint with ``open(filename, "wb")`` + ``torch.save``, straight under its final name: a run
+killed while writing leaves a truncated ``ep{epoch}-ba{batch}-rank0.pt``. The ``latest-rank0.pt``
+symlink is only moved after the write (``CheckpointSaver._save_checkpoint``), so ``autoresume``
+still finds the previous checkpoint, but Composer's ``fit_start`` check
+(``ensure_folder_has_no_conflicting_files``) then refuses to resume because the truncated file is
+"a future checkpoint" (``FileExistsError``). The symlink itself is replaced by ``os.remove`` then
+``os.symlink``: a kill between the two leaves no ``latest-rank0.pt``, and autoresume starts
+from batch 0, which the same check then refuses.
+
+* :func:`install_atomic_checkpoint_writes` makes Composer write each plain ``.pt`` checkpoint to
+  a hidden temporary file in the same folder, fsync it, and rename it into place.
+* :func:`repair_latest_checkpoint`, before an autoresume, deletes leftover temporary files, moves
+  incomplete checkpoints aside (``*.pt.incomplete``) and points ``latest-rank0.pt`` at the newest
+  complete checkpoint.
+* :func:`check_checkpoint` checks that a checkpoint file is readable and fits a model, with an
+  error naming the file and the tensors that do not fit (Composer's own errors name neither).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+INCOMPLETE_SUFFIX = ".incomplete"
+_TMP_PREFIX = ".partial-"  # a leading dot: no checkpoint pattern of Composer's matches it
+
+_original_write_checkpoint_file = None
+
+
+def _atomic_write_checkpoint_file(state_dict: dict[str, Any], filename: str) -> None:
+    from composer.utils.checkpoint import is_compressed_pt, is_tar
+
+    if is_tar(filename) or is_compressed_pt(filename):
+        return _original_write_checkpoint_file(state_dict, filename)
+    directory = os.path.dirname(filename) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{_TMP_PREFIX}{os.path.basename(filename)}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state_dict, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, filename)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def install_atomic_checkpoint_writes() -> None:
+    """Make Composer write plain ``.pt`` checkpoints atomically (temp file, fsync, rename).
+
+    Replaces ``composer.utils.checkpoint._write_checkpoint_file`` (looked up at call time by
+    ``_save_checkpoint``) for the whole process; compressed and tar checkpoints keep Composer's
+    writer. Idempotent.
+    """
+    global _original_write_checkpoint_file
+    from composer.utils import checkpoint
+
+    if checkpoint._write_checkpoint_file is _atomic_write_checkpoint_file:
+        return
+    _original_write_checkpoint_file = checkpoint._write_checkpoint_file
+    checkpoint._write_checkpoint_file = _atomic_write_checkpoint_file
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` zip archive (every member's CRC checks out).
+
+    A file truncated by a kill mid-write has no zip central directory and fails this test.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError):
+        return False
+
+
+def _checkpoint_pattern(filename: str, rank: int) -> re.Pattern:
+    pattern = re.escape(filename)
+    for unit in ("epoch", "batch", "sample", "token"):
+        pattern = pattern.replace(re.escape(f"{{{unit}}}"), f"(?P<{unit}>\\d+)")
+    pattern = pattern.replace(re.escape("{rank}"), str(rank))
+    return re.compile(f"^{pattern}$")
+
+
+def repair_latest_checkpoint(
+    save_folder: str | os.PathLike,
+    filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt",
+    latest_filename: str = "latest-rank{rank}.pt",
+    *,
+    rank: int = 0,
+) -> Path | None:
+    """Make ``save_folder/latest_filename`` point at the newest complete checkpoint; run before autoresume.
+
+    Deletes temporary files left by :func:`install_atomic_checkpoint_writes` in a killed run,
+    renames checkpoints that are not complete (see :func:`is_complete_checkpoint`) to
+    ``<name>.incomplete`` so Composer's conflicting-files check does not refuse to resume, and
+    (re)creates the ``latest`` symlink if it is missing, dangling or points at an incomplete or
+    older file. Call it on one process only (the rank that writes checkpoints).
+
+    Args:
+        filename: Composer's ``save_filename`` format (``{epoch}``, ``{batch}``, ``{rank}``...).
+        latest_filename: Composer's ``save_latest_filename`` format.
+
+    Returns:
+        The newest complete checkpoint, or None if there is none (or no such folder).
+    """
+    folder = Path(save_folder)
+    if not folder.is_dir():
+        return None
+    pattern = _checkpoint_pattern(filename, rank)
+    checkpoints = []
+    for entry in folder.iterdir():
+        if entry.name.startswith(_TMP_PREFIX):
+            entry.unlink()  # half-written by an atomic write that was killed
+        elif (match := pattern.match(entry.name)) and entry.is_file() and not entry.is_symlink():
+            checkpoints.append((tuple(int(v) for v in match.groupdict().values()), entry))
+    newest = None
+    for _, path in sorted(checkpoints, key=lambda item: item[0], reverse=True):
+        if newest is None and is_complete_checkpoint(path):
+            newest = path
+        elif newest is None:
+            os.replace(path, path.with_name(path.name + INCOMPLETE_SUFFIX))
+    latest = folder / latest_filename.format(rank=rank)
+    if newest is None:
+        return None
+    if not (latest.is_symlink() and latest.resolve() == newest.resolve()):
+        tmp = latest.with_name(f"{_TMP_PREFIX}{latest.name}.{os.getpid()}")
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(newest.name, tmp)
+        os.replace(tmp, latest)  # atomic, unlike Composer's remove-then-symlink
+    return newest
+
+
+def check_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Check that a Composer checkpoint file is readable and its weights fit ``model``.
+
+    Args:
+        path: a local monolithic checkpoint written by Composer (``{"state": {"model": ...}}``).
+        model: the model Composer will load it into (the ``ComposerModel``; key prefixes such as
+            ``model.`` must match Composer's ``state.model`` keys).
+
+    Returns:
+        The checkpoint's model state dict.
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+        ValueError: naming the file, if it cannot be read (truncated or corrupt: e.g. the run was
+            killed while writing it), is not a Composer checkpoint, or has missing, unexpected or
+            differently shaped tensors (naming them, with both shapes).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise ValueError(
+            f"cannot read checkpoint {path} ({path.stat().st_size:,} bytes): {err}; the file is "
+            "truncated or corrupt (was the run killed while writing it?): delete it and load an "
+            "earlier checkpoint"
+        ) from err
+    state = checkpoint.get("state") if isinstance(checkpoint, Mapping) else None
+    weights = state.get("model") if isinstance(state, Mapping) else None
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{path} is not a Composer checkpoint: it has no state.model weights")
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    problems = [f"missing {k} {own[k]}" for k in own if k not in weights]
+    problems += [f"unexpected {k} {tuple(weights[k].shape)}" for k in weights if k not in own]
+    problems += [
+        f"{k}: checkpoint has {tuple(weights[k].shape)}, model needs {shape}"
+        for k, shape in own.items()
+        if k in weights and tuple(weights[k].shape) != shape
+    ]
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError(
+            f"checkpoint {path} does not fit the model ({len(problems)} problem(s)): "
+            + "; ".join(problems[:10]) + more
+            + ". Was it written with another model config or tokenizer (vocab_size)?"
+        )
+    return dict(weights)

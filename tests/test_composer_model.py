@@ -1,0 +1,87 @@
+"""ComposerMosaicGPT: next-token loss on shifted labels, -100 ignored, metrics on the same targets."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm import MosaicGPT, MosaicGPTConfig
+from llm.composer_model import ComposerMosaicGPT, shift_labels
+
+VOCAB = 61
+
+
+@pytest.fixture
+def composer_model() -> ComposerMosaicGPT:
+    torch.manual_seed(0)
+    config = MosaicGPTConfig(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_heads=4, n_layers=2, init_std=0.2)
+    return ComposerMosaicGPT(config).eval()
+
+
+@pytest.fixture
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, 5] = -100
+    labels[1, 10:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_shift_labels_moves_left_and_ignores_the_last_position():
+    labels = torch.tensor([[1, 2, 3, 4], [5, -100, 7, 8]])
+    assert shift_labels(labels).tolist() == [[2, 3, 4, -100], [-100, 7, 8, -100]]
+
+
+def test_loss_is_cross_entropy_on_shifted_labels(composer_model, batch):
+    logits = composer_model(batch)
+    assert logits.shape == (3, 16, VOCAB)
+    expected = F.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
+    torch.testing.assert_close(composer_model.loss(logits, batch), expected)
+
+
+def test_loss_ignores_minus_100_labels(composer_model, batch):
+    logits = composer_model(batch)
+    # By hand: the mean negative log-likelihood over the positions whose target is not -100.
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    log_probs = logits[:, :-1].log_softmax(-1)
+    nll = -log_probs[keep].gather(-1, targets[keep][:, None]).squeeze(-1)
+    assert keep.sum() == 3 * 15 - 1 - 6
+    torch.testing.assert_close(composer_model.loss(logits, batch), nll.mean())
+    # Logits that predict ignored targets do not matter.
+    changed = logits.clone()
+    changed[1, 9:] = torch.randn_like(changed[1, 9:])
+    torch.testing.assert_close(composer_model.loss(changed, batch), nll.mean())
+
+
+def test_metrics_see_logits_and_shifted_targets(composer_model, batch):
+    loss = composer_model.loss(composer_model(batch), batch)
+    outputs = composer_model.eval_forward(batch)
+    metrics = composer_model.get_metrics(is_train=False)
+    assert set(metrics) == {"LanguageCrossEntropy", "LanguagePerplexity"}
+    assert set(composer_model.get_metrics(is_train=True)) == {"LanguageCrossEntropy"}
+    for metric in metrics.values():
+        composer_model.update_metric(batch, outputs, metric)
+    assert math.isclose(metrics["LanguageCrossEntropy"].compute().item(), loss.item(), rel_tol=1e-5)
+    assert math.isclose(metrics["LanguagePerplexity"].compute().item(), math.exp(loss.item()), rel_tol=1e-5)
+    assert composer_model.eval_forward(batch, outputs) is outputs
+
+
+def test_forward_passes_the_attention_mask(composer_model, batch):
+    mask = torch.ones_like(batch["input_ids"])
+    mask[2, :4] = 0  # left padding
+    with_mask = composer_model({**batch, "attention_mask": mask})
+    direct = composer_model.model(batch["input_ids"], attention_mask=mask).logits
+    torch.testing.assert_close(with_mask, direct)
+    torch.testing.assert_close(with_mask[:2], composer_model(batch)[:2])
+
+
+def test_wraps_a_model_or_builds_one_from_a_config(composer_model):
+    model = composer_model.model
+    assert ComposerMosaicGPT(model).model is model
+    assert isinstance(composer_model.model, MosaicGPT) and composer_model.config is model.config
+    with pytest.raises(TypeError, match="MosaicGPTConfig or a MosaicGPT"):
+        ComposerMosaicGPT({"d_model": 32})

@@ -1,0 +1,23 @@
+"""llm.evaluate on the registered pretrained SmolLM2 model, with its own tokenizer (a small subset)."""
+
+import pytest
+import torch
+
+from llm.convert.registry import PRETRAINED, REPO_ROOT
+from llm.evaluate import evaluate
+
+torch.set_num_threads(1)
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.mark.skipif(not (REPO_ROOT / PRETRAINED[NAME]).is_file(), reason="run `make data` for the SmolLM2 file")
+def test_smollm2_on_held_out_shakespeare(tmp_path):
+    cfg = {"eval_loader": {"dataset": {"split": "validation"}, "shuffle": False, "drop_last": False},
+           "device_eval_batch_size": 2, "eval_max_sequences": 2, "eval_seq_len": 128}
+    report = evaluate(cfg, model=NAME, output=tmp_path / "eval.json")
+    figures = report["evaluators"]["validation"]
+    assert report["vocab_size"] == 49152 and report["seq_len"] == 128
+    assert figures["sequences"] == 2 and figures["predicted_tokens"] == 2 * 127
+    # About 3.2 characters per token; far better than our small models' 2 to 2.5 bits per byte.
+    assert 0.25 < figures["tokens_per_byte"] < 0.4
+    assert 0.8 < figures["bits_per_byte"] < 2.2

@@ -1,0 +1,123 @@
+"""Fine-tuning from a pretrained bundle on cue/reply pairs: the data, the loader dispatch, the training."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from composer import Trainer
+from composer.core import Evaluator
+from composer.optim import DecoupledAdamW
+
+import llm.train
+from llm.data import load_tokenizer
+from llm.data.cues import cue_pairs, make_cue_dataset, write_jsonl
+from llm.data.finetune import IGNORE_INDEX, load_jsonl
+from llm.evaluate import evaluate
+from llm.model import MosaicGPT
+from llm.train import train
+from llm.train_support import build_dataloader, heldout_tokens_per_byte, load_pretrained
+from tests.train_helpers import make_tiny_plays, tiny_config
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[1]
+WIRED = "load_pretrained" in llm.train.DEFAULTS
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A char-level model pretrained for 20 batches (128-token blocks), and cue/reply JSONL files."""
+    root = tmp_path_factory.mktemp("finetune")
+    plays = make_tiny_plays(root / "plays")
+    cfg = tiny_config(plays, root / "pretrain", model={"max_seq_len": 128, "d_model": 32, "n_heads": 2, "n_layers": 2},
+                      max_duration="20ba", eval_interval="20ba", save_interval="20ba")
+    bundle = train(cfg)["model_dir"]
+    for split, n in (("train", 200), ("validation", 48)):
+        write_jsonl(make_cue_dataset(split, n, plays_dir=plays, max_chars=120), root / f"{split}.jsonl")
+    return {"root": root, "bundle": bundle, "plays": plays}
+
+
+def _loader_cfg(path, shuffle):
+    return {"dataset": {"kind": "finetune", "path": str(path), "padding_side": "right"}, "shuffle": shuffle,
+            "drop_last": shuffle}
+
+
+def test_cue_pairs():
+    text = ("SCENE I. A room.\n\n[Enter A and B]\n\nA:\nWho's there?\nNay, answer me.\n\nB:\nLong live the king!\n"
+            "[Aside] Hush.\nHe comes.\nAnd more.\n\n[Exit A]\n\nC:\nAlone.\n\nC:\nStill alone.\n")
+    assert cue_pairs(text) == [{"prompt": "A:\nNay, answer me.\n\nB:\n", "response": "Long live the king!\nHe comes."}]
+    assert cue_pairs(text, max_chars=30) == []
+
+
+def test_shipped_data():
+    for split, n in (("train", 1000), ("validation", 200)):
+        examples = load_jsonl(REPO / "configs" / "data" / f"shakespeare-cues-{split}.jsonl")
+        assert len(examples) == n
+        # Fits the 256-token blocks of configs/shakespeare.yaml's model with any byte-level tokenizer.
+        assert max(len((ex["prompt"] + ex["response"]).encode()) for ex in examples) < 256
+        assert all(ex["prompt"].endswith(":\n") and ex["response"] for ex in examples)
+    assert make_cue_dataset("validation", 200, seed=0) == load_jsonl(REPO / "configs/data/shakespeare-cues-validation.jsonl")
+
+
+def test_build_dataloader_dispatches_on_kind(setup):
+    tokenizer = load_tokenizer(setup["bundle"])
+    batch = next(iter(build_dataloader(_loader_cfg(setup["root"] / "train.jsonl", False), tokenizer, 128, 4)))
+    assert set(batch) == {"input_ids", "labels", "attention_mask"} and batch["input_ids"].shape[0] == 4
+    assert (batch["labels"][:, 0] == IGNORE_INDEX).all()  # the prompt is not scored
+    text = {"dataset": {"kind": "text", "split": "validation", "plays_dir": str(setup["plays"]), "cache_dir": None},
+            "shuffle": False, "drop_last": False}
+    batch = next(iter(build_dataloader(text, tokenizer, 32, 4)))
+    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (4, 32)
+    for bad, match in [({"kind": "chat"}, "kind must be one of"), ({"kind": "finetune"}, "needs dataset.path")]:
+        with pytest.raises(ValueError, match=match):
+            build_dataloader({**text, "dataset": bad}, tokenizer, 32, 4)
+    with pytest.raises(ValueError, match=r"unknown loader key\(s\) \['batch_size'\]"):
+        build_dataloader({**_loader_cfg(setup["root"] / "train.jsonl", False), "batch_size": 3}, tokenizer, 32, 4)
+    tpb = heldout_tokens_per_byte(_loader_cfg(setup["root"] / "validation.jsonl", False), tokenizer)
+    assert 1.0 < tpb < 1.2  # characters, plus one eos per reply
+
+
+def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
+    model, tokenizer = load_pretrained(setup["bundle"])
+    pretrained = MosaicGPT.from_pretrained(setup["bundle"])
+    assert all(torch.equal(a, b) for a, b in zip(model.model.state_dict().values(), pretrained.state_dict().values()))
+    evaluator = Evaluator(label="replies", dataloader=build_dataloader(_loader_cfg(setup["root"] / "validation.jsonl", False),
+                                                                      tokenizer, 128, 16),
+                          metric_names=["LanguageCrossEntropy"])
+    trainer = Trainer(model=model, train_dataloader=build_dataloader(_loader_cfg(setup["root"] / "train.jsonl", True),
+                                                                     tokenizer, 128, 8, seed=1),
+                      optimizers=DecoupledAdamW(model.parameters(), lr=1e-2), max_duration="25ba", eval_dataloader=evaluator,
+                      eval_interval="25ba", progress_bar=False, seed=1, save_folder=str(tmp_path), save_interval="25ba")
+    trainer.eval()
+    before = float(trainer.state.eval_metrics["replies"]["LanguageCrossEntropy"].compute())
+    trainer.fit()
+    after = float(trainer.state.eval_metrics["replies"]["LanguageCrossEntropy"].compute())
+    assert after < before - 0.1, (before, after)
+
+    # llm.evaluate scores the same replies, for the checkpoint (a load_pretrained config) and the bundle.
+    cfg = {"load_pretrained": setup["bundle"], "eval_loader": _loader_cfg(setup["root"] / "validation.jsonl", False),
+           "device_eval_batch_size": 16}
+    tuned = evaluate(cfg, load_path=str(tmp_path / "ep0-ba25-rank0.pt"), output=tmp_path / "tuned.json")
+    figures = tuned["evaluators"]["validation"]
+    assert figures["nats_per_token"] == pytest.approx(after, abs=1e-5)
+    assert figures["sequences"] == figures["blocks"] == 48 and 1.0 < figures["tokens_per_byte"] < 1.2
+    untuned = evaluate({**cfg, "eval_max_sequences": 12}, model=setup["bundle"], output=tmp_path / "untuned.json")
+    assert untuned["evaluators"]["validation"]["sequences"] == 12
+    assert untuned["evaluators"]["validation"]["nats_per_token"] > after + 0.1
+
+
+@pytest.mark.skipif(not WIRED, reason="llm.train does not know load_pretrained yet (issue 6 wiring)")
+def test_train_finetunes_from_load_pretrained(setup, tmp_path):
+    cfg = tiny_config(setup["plays"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="10ba",
+                      eval_interval="5ba", save_interval="5ba", num_samples=1, sample_max_new_tokens=8,
+                      sample_prompts=["A:\nWho's there?\n\nB:\n"])
+    del cfg["model"], cfg["tokenizer"]
+    cfg["train_loader"] = _loader_cfg(setup["root"] / "train.jsonl", True)
+    cfg["eval_loader"] = _loader_cfg(setup["root"] / "validation.jsonl", False)
+    result = train(cfg)
+    assert (result["start_batch"], result["batches"]) == (0, 10)
+    assert result["vocab_size"] == len(load_tokenizer(setup["bundle"]))
+    assert 1.0 < result["tokens_per_byte"] < 1.2 and result["bits_per_byte"] > 0
+    assert MosaicGPT.from_pretrained(result["model_dir"]).config == MosaicGPT.from_pretrained(setup["bundle"]).config
+    assert result["samples"][0].startswith("A:\nWho's there?\n\nB:\n")
+    with pytest.raises(ValueError, match=r"load_pretrained gives the model and tokenizer: remove the \['model'\]"):
+        train({**cfg, "model": {"d_model": 32}})

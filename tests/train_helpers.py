@@ -1,0 +1,187 @@
+"""Helpers for tests that train: a tiny copy of the plays, a tiny config, and test-only callbacks.
+
+Run as a script (``python -m tests.train_helpers CONFIG.json [--kill-after N] [--record FILE]``)
+it trains with :func:`llm.train.train`, recording the batches it sees and SIGKILLing itself at
+the end of batch N, as a crash would; with ``--ddp-weights FILE``, under ``composer -n 2 -m
+tests.train_helpers ...``, it trains data-parallel (:func:`train_data_parallel`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from composer.core import Callback
+
+from llm.data import VALIDATION_PLAYS, play_paths
+
+TRAIN_PLAYS = ("julius-caesar", "macbeth", "pericles")
+
+
+def make_tiny_plays(directory: Path, train_chars: int = 40_000, validation_chars: int = 10_000) -> Path:
+    """The first paragraphs of three training plays and of the four validation plays, as a plays dir."""
+    for name, path in play_paths().items():
+        if name in VALIDATION_PLAYS or name in TRAIN_PLAYS:
+            md = path.read_text()
+            cut = md.rfind("\n\n", 0, validation_chars if name in VALIDATION_PLAYS else train_chars)
+            out = Path(directory) / path.parent.name / path.name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(md[:cut] + "\n")
+    return Path(directory)
+
+
+def tiny_config(plays_dir: Path, save_folder: Path, **overrides) -> dict:
+    """A char-level 2-layer d_model 32 model, 32-token blocks, batches of 8, a checkpoint every 2 batches."""
+    dataset = {"plays_dir": str(plays_dir), "cache_dir": str(Path(plays_dir) / "cache")}
+    cfg = {
+        "model": {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2},
+        "tokenizer": {"kind": "char"},
+        "train_loader": {"dataset": {"split": "train", **dataset}, "shuffle": True, "drop_last": True},
+        "eval_loader": {"dataset": {"split": "validation", **dataset}, "shuffle": False, "drop_last": False},
+        "optimizer": {"name": "decoupled_adamw", "lr": 1.0e-2, "betas": [0.9, 0.95], "eps": 1.0e-8,
+                      "weight_decay": 1.0e-4},
+        "scheduler": {"name": "cosine_with_warmup", "t_warmup": "2ba", "alpha_f": 0.1},
+        "algorithms": {"gradient_clipping": {"clipping_type": "norm", "clipping_threshold": 1.0}},
+        "max_duration": "10ba",
+        "eval_interval": "5ba",
+        "eval_subset_num_batches": 2,
+        "global_train_batch_size": 8,
+        "device_eval_batch_size": 64,
+        "seed": 5,
+        "save_folder": str(save_folder),
+        "save_interval": "2ba",
+        "progress_bar": False,
+        "num_samples": 0,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def batch_digest(batch) -> str:
+    """A short hash of a batch's ``input_ids``."""
+    return hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+class BatchRecorder(Callback):
+    """Appends ``"<batch> <digest of input_ids> <loss> <row digests>"`` to a file after every batch
+    (fsynced, so it survives a SIGKILL). The loss is Composer's ``loss/train/total``, averaged over
+    ranks; the digests are of this rank's batch; ``{rank}`` in ``path`` becomes the global rank."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+
+    def batch_end(self, state, logger) -> None:
+        from composer.utils import dist
+
+        loss = state.total_loss_dict["loss/train/total"]
+        rows = ",".join(sorted(batch_digest({"input_ids": row}) for row in state.batch["input_ids"]))
+        with open(self.path.format(rank=dist.get_global_rank()), "a") as f:
+            f.write(f"{int(state.timestamp.batch)} {batch_digest(state.batch)} {loss!r} {rows}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_record(path: str | os.PathLike) -> dict[int, tuple[str, float, set[str]]]:
+    """:class:`BatchRecorder`'s file as ``{batch: (digest, loss, row digests)}`` (a resumed batch overwrites)."""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        batch, digest, loss, row_digests = line.split()
+        rows[int(batch)] = (digest, float(loss), set(row_digests.split(",")))
+    return rows
+
+
+class KillAfter(Callback):
+    """SIGKILLs the process at the end of batch ``n``, before that batch's checkpoint is written."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def batch_end(self, state, logger) -> None:
+        if int(state.timestamp.batch) == self.n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextmanager
+def extra_callbacks(*callbacks: Callback, loggers=()):
+    """Within the block, :func:`llm.train.train` and :func:`llm.train.build_trainer` build their
+    ``Trainer`` with ``callbacks`` (except those of a type it already has) and ``loggers`` added."""
+    import llm.train
+    from composer.utils import ensure_tuple
+
+    original = llm.train.Trainer
+
+    def trainer(*args, **kwargs):
+        own = list(ensure_tuple(kwargs.get("callbacks")))
+        kwargs["callbacks"] = own + [c for c in callbacks if type(c) not in {type(o) for o in own}]
+        kwargs["loggers"] = [*ensure_tuple(kwargs.get("loggers")), *loggers]
+        return original(*args, **kwargs)
+
+    llm.train.Trainer = trainer
+    try:
+        yield
+    finally:
+        llm.train.Trainer = original
+
+
+def train_data_parallel(cfg: dict, weights_path: str | None = None) -> None:
+    """Data-parallel training on every process of a ``composer -n N`` launch (gloo on CPU).
+
+    What :func:`llm.train.train` lacks for that: each rank's loader gets
+    ``global_train_batch_size / world_size`` sequences (done here unless ``build_trainer`` does
+    it), and the tokenizer must already be in ``<save_folder>/tokenizer`` (written by one process
+    before the launch). Saves the final weights (rank 0) to ``weights_path``.
+    """
+    from composer.utils import dist, get_device
+
+    from llm.data import load_tokenizer
+    from llm.train import build_trainer, resolve_config
+
+    dist.initialize_dist(get_device(None))
+    cfg = resolve_config(cfg)
+    world = dist.get_world_size()
+    if cfg["global_train_batch_size"] % world:
+        raise ValueError(f"global_train_batch_size {cfg['global_train_batch_size']} is not divisible by {world} ranks")
+    tokenizer = load_tokenizer(Path(cfg["save_folder"]) / "tokenizer")
+    import llm.train
+
+    if not hasattr(llm.train, "device_batch_size"):  # build_trainer does not split the batch over ranks yet
+        cfg = {**cfg, "global_train_batch_size": cfg["global_train_batch_size"] // world}
+    trainer = build_trainer(cfg, tokenizer)
+    trainer.fit()
+    if weights_path and dist.get_global_rank() == 0:
+        model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrap DistributedDataParallel
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights_path)
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    from llm.train import train
+
+    cfg = json.loads(Path(argv[0]).read_text())
+    callbacks, ddp_weights = [], None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "--kill-after":
+            callbacks.append(KillAfter(int(next(args))))
+        elif arg == "--record":
+            callbacks.insert(0, BatchRecorder(next(args)))
+        elif arg == "--ddp-weights":
+            ddp_weights = next(args)
+        else:
+            raise SystemExit(f"unknown argument {arg}")
+    with extra_callbacks(*callbacks):
+        if ddp_weights:
+            train_data_parallel(cfg, ddp_weights)
+        else:
+            train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
