@@ -128,3 +128,11 @@ def test_missing_key_and_bad_sections_raise(tiny_cfg, tmp_path):
         cfg[section] = value
         with pytest.raises(ValueError, match=match):
             build_trainer(cfg, tokenizer)
+
+
+@pytest.mark.parametrize("path", ["configs/shakespeare.yaml", "configs/shakespeare-char.yaml",
+                                  "configs/shakespeare-alibi.yaml"])
+def test_shipped_pretraining_configs_are_valid(path):
+    from llm.train import validate_config
+
+    validate_config(OmegaConf.load(Path(__file__).parents[1] / path))
