@@ -7,9 +7,13 @@ The config (an omegaconf ``DictConfig`` or a plain mapping) has these top-level 
   tokenizer and must not be set.
 * ``tokenizer``: ``kind: bpe`` with ``vocab_size``, or ``kind: char`` (see
   :func:`llm.data.build_tokenizer`).
+* ``load_pretrained``: instead of ``model`` and ``tokenizer``, start from an exported bundle, a
+  .gguf file or a registered name (e.g. ``smollm2-135m-instruct``), with its tokenizer.
 * ``train_loader`` / ``eval_loader``: ``dataset`` (``split``, optional ``plays_dir`` and
   ``cache_dir``), ``shuffle``, ``drop_last``, optional ``num_workers`` (see
-  :func:`llm.data.build_text_dataloader`).
+  :func:`llm.data.build_text_dataloader`); or, with ``dataset.kind: finetune``, a JSONL of
+  prompt/response pairs (``path``, ``padding_side``; see :mod:`llm.data.finetune`).
+* ``parallelism_config``: Composer's, e.g. ``{fsdp: {...}}`` (see configs/shakespeare-fsdp.yaml).
 * ``optimizer``: ``name: decoupled_adamw`` plus ``lr``, ``betas``, ``eps``, ``weight_decay``.
   Composer's decoupled weight decay multiplies the weights by ``1 - weight_decay * lr / lr_0``
   every step, so it is about ``lr`` times the value one would give ``torch.optim.AdamW``.
@@ -25,7 +29,9 @@ The config (an omegaconf ``DictConfig`` or a plain mapping) has these top-level 
   (:data:`CHECKPOINT_FILENAME`, and :data:`LATEST_CHECKPOINT` linking to the newest), the
   tokenizer (``tokenizer/``, reused when the run is resumed), and after training the inference
   bundle (``model/``, for :meth:`MosaicGPT.from_pretrained` and :func:`llm.data.load_tokenizer`)
-  and ``metrics.json``.
+  and ``metrics.json``; ``config.yaml`` (the resolved config) and ``curves.png`` / ``curves.json``
+  (loss and eval curves, see :mod:`llm.callbacks`). Checkpoints are written atomically and
+  checked before loading (see :mod:`llm.checkpointing`).
 * ``num_samples``, ``sample_prompts``, ``sample_max_new_tokens``, ``sample_temperature``
   (0 is greedy), ``sample_top_k``: the samples printed after training.
 """
@@ -47,28 +53,35 @@ from composer import Trainer
 from composer.algorithms import GradientClipping
 from composer.core import Evaluator
 from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
-from composer.utils import dist, reproducibility
+from composer.utils import dist, get_device, reproducibility
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedTokenizerFast
 
+from llm.callbacks import ConfigSaver, CurvePlotter
+from llm.checkpointing import check_checkpoint, install_atomic_checkpoint_writes, repair_latest_checkpoint
 from llm.composer_model import ComposerMosaicGPT
 from llm.config import MosaicGPTConfig
-from llm.data import (
-    build_text_dataloader,
-    build_tokenizer,
-    load_corpus,
-    load_tokenizer,
-    save_tokenizer,
-    tokens_per_byte,
-)
+from llm.convert.registry import load_tokenizer as load_pretrained_tokenizer
+from llm.data import build_tokenizer, load_corpus, load_tokenizer, save_tokenizer
 from llm.model import MosaicGPT
+from llm.train_support import (
+    build_dataloader,
+    device_batch_size,
+    heldout_tokens_per_byte,
+    load_pretrained,
+    mark_fsdp_units,
+    token_counting_data_spec,
+)
 
 REQUIRED_KEYS = (
-    "model", "tokenizer", "train_loader", "eval_loader", "optimizer", "scheduler",
-    "max_duration", "global_train_batch_size", "save_folder",
+    "train_loader", "eval_loader", "optimizer", "scheduler", "max_duration", "global_train_batch_size", "save_folder",
 )
+# Required unless load_pretrained names a bundle, .gguf file or registered model to start from.
+MODEL_KEYS = ("model", "tokenizer")
 DEFAULTS: dict[str, Any] = {
     "run_name": None,
+    "load_pretrained": None,
+    "parallelism_config": None,
     "algorithms": {},
     "eval_interval": "1ep",
     "eval_subset_num_batches": -1,
@@ -89,7 +102,7 @@ DEFAULTS: dict[str, Any] = {
     "sample_temperature": 0.8,
     "sample_top_k": 40,
 }
-ALLOWED_KEYS = (*REQUIRED_KEYS, *DEFAULTS)
+ALLOWED_KEYS = (*REQUIRED_KEYS, *MODEL_KEYS, *DEFAULTS)
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"decoupled_adamw": DecoupledAdamW}
 SCHEDULERS = {"cosine_with_warmup": CosineAnnealingWithWarmupScheduler}
@@ -121,9 +134,16 @@ def validate_config(cfg: Mapping | DictConfig) -> None:
     unknown = sorted(set(cfg) - set(ALLOWED_KEYS))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; allowed keys: {sorted(ALLOWED_KEYS)}")
-    missing = [key for key in REQUIRED_KEYS if key not in cfg]
+    pretrained = cfg.get("load_pretrained") is not None
+    given = [key for key in MODEL_KEYS if key in cfg]
+    if pretrained and given:
+        raise ValueError(f"load_pretrained gives the model and tokenizer: remove the {given} section(s)")
+    required = REQUIRED_KEYS if pretrained else (*MODEL_KEYS, *REQUIRED_KEYS)
+    missing = [key for key in required if key not in cfg]
     if missing:
-        raise ValueError(f"missing config key(s) {missing}; required keys: {list(REQUIRED_KEYS)}")
+        raise ValueError(f"missing config key(s) {missing}; required keys: {list(required)}")
+    if pretrained:
+        return
     if "vocab_size" in cfg["model"]:
         raise ValueError("model.vocab_size must not be set: it is taken from the tokenizer")
     # vocab_size is only known once the tokenizer exists; any valid stand-in checks the rest now.
@@ -223,18 +243,37 @@ def build_trainer(cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast) ->
     """
     # Seed before building the model so its initial weights depend on the seed alone.
     reproducibility.seed_all(cfg["seed"])
-    model = ComposerMosaicGPT(MosaicGPTConfig.from_dict({**cfg["model"], "vocab_size": len(tokenizer)}))
+    if cfg["load_pretrained"]:
+        model, _ = load_pretrained(cfg["load_pretrained"])
+    else:
+        model = ComposerMosaicGPT(MosaicGPTConfig.from_dict({**cfg["model"], "vocab_size": len(tokenizer)}))
     max_seq_len = model.config.max_seq_len
-    train_loader = build_text_dataloader(
-        cfg["train_loader"], tokenizer, max_seq_len, cfg["global_train_batch_size"], seed=cfg["seed"]
+    train_loader = build_dataloader(
+        cfg["train_loader"], tokenizer, max_seq_len, device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"]
     )
-    eval_loader = build_text_dataloader(
+    eval_loader = build_dataloader(
         cfg["eval_loader"], tokenizer, max_seq_len, cfg["device_eval_batch_size"], seed=cfg["seed"]
     )
+    fsdp = (cfg["parallelism_config"] or {}).get("fsdp")
+    if fsdp is not None:
+        mark_fsdp_units(model, activation_checkpointing=fsdp.get("activation_checkpointing", False))
+    # Checkpoints are written atomically; before an autoresume, a half-written one (from an older
+    # run) is moved aside and latest-rank0.pt repaired; the checkpoint to load must fit the model.
+    install_atomic_checkpoint_writes()
+    save_folder = Path(cfg["save_folder"])
+    latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
+    if cfg["autoresume"] and dist.get_global_rank() == 0:
+        repair_latest_checkpoint(save_folder, CHECKPOINT_FILENAME, LATEST_CHECKPOINT)
+    dist.barrier()
+    to_load = latest if cfg["autoresume"] and latest.is_file() else cfg["load_path"]
+    if to_load is not None and Path(to_load).is_file():
+        check_checkpoint(to_load, model)
     return Trainer(
         run_name=cfg["run_name"] or Path(cfg["save_folder"]).name,
         model=model,
-        train_dataloader=train_loader,
+        # Microbatches (and ranks) weighted by their scored tokens: exact for padded fine-tuning batches.
+        train_dataloader=token_counting_data_spec(train_loader),
+        accumulate_train_batch_on_tokens=True,
         eval_dataloader=Evaluator(
             label="eval", dataloader=eval_loader, metric_names=list(model.get_metrics(is_train=False))
         ),
@@ -257,6 +296,8 @@ def build_trainer(cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast) ->
         save_num_checkpoints_to_keep=cfg["save_num_checkpoints_to_keep"],
         load_path=cfg["load_path"],
         autoresume=cfg["autoresume"],
+        parallelism_config=cfg["parallelism_config"],
+        callbacks=[CurvePlotter(save_folder), ConfigSaver(cfg, save_folder)],
     )
 
 
@@ -270,7 +311,7 @@ def evaluate_heldout(
         ``tokens_per_byte`` (of that split's text with ``tokenizer``) and ``bits_per_byte`` =
         nats_per_token * tokens_per_byte / ln 2, comparable across tokenizers.
     """
-    loader = build_text_dataloader(
+    loader = build_dataloader(
         cfg["eval_loader"], tokenizer, max_seq_len, cfg["device_eval_batch_size"], seed=cfg["seed"]
     )
     # A label of its own and subset -1: the "eval" evaluator stops at eval_subset_num_batches.
@@ -282,8 +323,7 @@ def evaluate_heldout(
         warnings.filterwarnings("ignore", message="Cannot split tensor of length", category=UserWarning)
         trainer.eval(eval_dataloader=evaluator, subset_num_batches=-1)
     nats = float(trainer.state.eval_metrics["heldout"]["LanguageCrossEntropy"].compute())
-    dataset_cfg = cfg["eval_loader"]["dataset"]
-    per_byte = tokens_per_byte(tokenizer, load_corpus(dataset_cfg["split"], dataset_cfg.get("plays_dir")))
+    per_byte = heldout_tokens_per_byte(cfg["eval_loader"], tokenizer)
     return {
         "nats_per_token": nats,
         "perplexity": math.exp(nats),
@@ -357,27 +397,39 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         ``bits_per_byte``, ``fit_seconds``, ``wall_seconds``) plus ``samples`` (list of str),
         ``model_dir`` and ``checkpoint`` (the newest checkpoint's path, or None).
 
+    Under ``composer -n N`` (data parallel; each rank gets ``global_train_batch_size / N``
+    sequences per batch), rank 0 builds the tokenizer and writes the exports, samples and
+    metrics; every rank trains and evaluates. The other ranks return the figures without
+    ``samples``.
+
     Raises:
         ValueError: for a bad config (see :func:`validate_config`, :func:`build_trainer`).
-        RuntimeError: if launched on more than one process (the tokenizer and exports are
-            written without coordination between ranks).
     """
     started = time.perf_counter()
     cfg = resolve_config(cfg)
     if dist.get_world_size() > 1:
-        raise RuntimeError("llm.train runs in a single process (one CPU or one GPU)")
+        dist.initialize_dist(get_device(None))  # the Trainer would, but the tokenizer needs a barrier first
+    rank0 = dist.get_global_rank() == 0
     save_folder = Path(cfg["save_folder"])
 
-    tokenizer = prepare_tokenizer(
-        cfg["tokenizer"], save_folder / TOKENIZER_DIR, plays_dir=cfg["train_loader"]["dataset"].get("plays_dir")
-    )
+    if cfg["load_pretrained"]:
+        tokenizer = load_pretrained_tokenizer(cfg["load_pretrained"])
+    else:
+        if rank0:
+            tokenizer = prepare_tokenizer(
+                cfg["tokenizer"], save_folder / TOKENIZER_DIR, plays_dir=cfg["train_loader"]["dataset"].get("plays_dir")
+            )
+        dist.barrier()
+        if not rank0:
+            tokenizer = load_tokenizer(save_folder / TOKENIZER_DIR)
     trainer = build_trainer(cfg, tokenizer)
-    model = trainer.state.model
+    model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrapped from DDP
     start_batch = int(trainer.state.timestamp.batch)
     print(
         f"run {trainer.state.run_name}: {model.model.num_parameters():,} parameters, "
-        f"{cfg['tokenizer']['kind']} tokenizer of {len(tokenizer)} tokens, "
-        f"{len(trainer.state.train_dataloader.dataset):,} training blocks of {model.config.max_seq_len} tokens, "
+        f"{cfg['tokenizer']['kind'] if 'tokenizer' in cfg else cfg['load_pretrained']} tokenizer of "
+        f"{len(tokenizer)} tokens, {len(trainer.state.train_dataloader.dataset):,} training sequences of up to "
+        f"{model.config.max_seq_len} tokens, "
         f"max_duration {cfg['max_duration']}" + (f", resuming at batch {start_batch}" if start_batch else ""),
         flush=True,
     )
@@ -386,14 +438,15 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
     trainer.fit()
     fit_seconds = time.perf_counter() - fit_started
 
-    heldout = evaluate_heldout(trainer, cfg, tokenizer, model.config.max_seq_len)
+    heldout = evaluate_heldout(trainer, cfg, tokenizer, model.config.max_seq_len)  # on every rank
     model_dir = save_folder / MODEL_DIR
-    model.model.save_pretrained(model_dir, tokenizer=tokenizer)
+    if rank0:
+        model.model.save_pretrained(model_dir, tokenizer=tokenizer)
     samples = generate_samples(
         model.model,
         tokenizer,
         list(cfg["sample_prompts"]),
-        num_samples=cfg["num_samples"],
+        num_samples=cfg["num_samples"] if rank0 else 0,
         max_new_tokens=cfg["sample_max_new_tokens"],
         temperature=cfg["sample_temperature"],
         top_k=cfg["sample_top_k"],
@@ -413,11 +466,16 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         "fit_seconds": fit_seconds,
         "wall_seconds": time.perf_counter() - started,
     }
-    _write_json(save_folder / METRICS_FILE, metrics)
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
+    result = {**metrics, "samples": samples, "model_dir": str(model_dir),
+              "checkpoint": os.path.realpath(latest) if latest.exists() else None}
+    if not rank0:
+        dist.barrier()  # rank 0 writes the exports
+        return result
+    _write_json(save_folder / METRICS_FILE, metrics)
 
     print(
-        f"held-out {cfg['eval_loader']['dataset']['split']}: {heldout['nats_per_token']:.4f} nats/token "
+        f"held-out {cfg['eval_loader']['dataset'].get('split', 'eval')}: {heldout['nats_per_token']:.4f} nats/token "
         f"(perplexity {heldout['perplexity']:.2f}), {heldout['tokens_per_byte']:.4f} tokens/byte, "
         f"{heldout['bits_per_byte']:.4f} bits/byte after {metrics['batches']} batches "
         f"({fit_seconds:.0f} s training, {metrics['wall_seconds']:.0f} s in all)"
@@ -425,9 +483,5 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
     print(f"model and tokenizer: {model_dir}; metrics: {save_folder / METRICS_FILE}")
     for i, sample in enumerate(samples, 1):
         print(f"\n--- sample {i} ---\n{sample}")
-    return {
-        **metrics,
-        "samples": samples,
-        "model_dir": str(model_dir),
-        "checkpoint": os.path.realpath(latest) if latest.exists() else None,
-    }
+    dist.barrier()
+    return result

@@ -131,8 +131,9 @@ def test_missing_key_and_bad_sections_raise(tiny_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["configs/shakespeare.yaml", "configs/shakespeare-char.yaml",
-                                  "configs/shakespeare-alibi.yaml"])
-def test_shipped_pretraining_configs_are_valid(path):
+                                  "configs/shakespeare-alibi.yaml", "configs/finetune-shakespeare.yaml",
+                                  "configs/shakespeare-fsdp.yaml"])
+def test_shipped_configs_are_valid(path):
     from llm.train import validate_config
 
     validate_config(OmegaConf.load(Path(__file__).parents[1] / path))
