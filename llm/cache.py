@@ -14,13 +14,12 @@ rollback) only moves that length; the next write overwrites what was cut.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from llm.config import MosaicGPTConfig
+from llm.io import atomic_write
 
 _FORMAT = "llm.cache/v1"
 
@@ -179,15 +178,7 @@ class Cache:
             "keys": [k.contiguous() for k, _ in self],
             "values": [v.contiguous() for _, v in self],
         }
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        os.close(fd)
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
 
     @staticmethod
     def load(path: str | os.PathLike, device: torch.device | str | None = None) -> "Cache":

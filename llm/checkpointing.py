@@ -30,6 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
+from llm.io import shape_mismatches
+
 INCOMPLETE_SUFFIX = ".incomplete"
 _TMP_PREFIX = ".partial-"  # a leading dot: no checkpoint pattern of Composer's matches it
 
@@ -173,14 +175,7 @@ def check_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[st
     weights = state.get("model") if isinstance(state, Mapping) else None
     if not isinstance(weights, Mapping):
         raise ValueError(f"{path} is not a Composer checkpoint: it has no state.model weights")
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    problems = [f"missing {k} {own[k]}" for k in own if k not in weights]
-    problems += [f"unexpected {k} {tuple(weights[k].shape)}" for k in weights if k not in own]
-    problems += [
-        f"{k}: checkpoint has {tuple(weights[k].shape)}, model needs {shape}"
-        for k, shape in own.items()
-        if k in weights and tuple(weights[k].shape) != shape
-    ]
+    problems = shape_mismatches(model.state_dict(), weights)
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ValueError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from torch import nn
 from llm.cache import Cache, DynamicCache
 from llm.config import MosaicGPTConfig
 from llm.generation import generate, stream
+from llm.io import atomic_write, shape_mismatches
 from llm.layers.blocks import MosaicGPTBlock
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
@@ -231,18 +231,8 @@ class MosaicGPT(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        for name, write in (
-            (CONFIG_FILE, self.config.save),
-            (WEIGHTS_FILE, lambda path: save_file(state, str(path), metadata={"format": "pt"})),
-        ):
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
-            os.close(fd)
-            try:
-                write(tmp)
-                os.replace(tmp, directory / name)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+        atomic_write(directory / CONFIG_FILE, self.config.save)
+        atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata={"format": "pt"}))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
 
@@ -287,14 +277,7 @@ class MosaicGPT(nn.Module):
             raise ValueError(f"cannot read weights {directory / WEIGHTS_FILE}: {err}") from err
         with torch.device("meta"):
             model = cls(config)
-        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        problems = [f"missing {k}" for k in own if k not in state]
-        problems += [f"unexpected {k}" for k in state if k not in own]
-        problems += [
-            f"{k}: file has {tuple(state[k].shape)}, config needs {shape}"
-            for k, shape in own.items()
-            if k in state and tuple(state[k].shape) != shape
-        ]
+        problems = shape_mismatches(model.state_dict(), state)
         if problems:
             raise ValueError(f"weights in {directory / WEIGHTS_FILE} do not fit its config: " + "; ".join(problems[:10]))
         model.load_state_dict(state, assign=True)

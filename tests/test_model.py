@@ -173,7 +173,7 @@ def test_load_pretrained_errors_name_the_file(tmp_path):
         MosaicGPT.from_pretrained(tmp_path / "m")
     tiny_model(d_model=64).save_pretrained(tmp_path / "other")
     (tmp_path / "m" / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
-    with pytest.raises(ValueError, match=r"do not fit its config: .*wte.weight: file has \(61, 64\), config needs \(61, 32\)"):
+    with pytest.raises(ValueError, match=r"do not fit its config: .*wte.weight: file has \(61, 64\), model needs \(61, 32\)"):
         MosaicGPT.from_pretrained(tmp_path / "m")
 
 

@@ -169,7 +169,7 @@ def test_bad_checkpoints_name_the_file_and_what_did_not_fit(runs, tmp_path):
 
     wider = ComposerMosaicGPT(MosaicGPTConfig.from_dict({**model_cfg, "d_model": 64}))
     with pytest.raises(ValueError, match=rf"checkpoint {checkpoint} does not fit the model .*"
-                                         r"model.wte.weight: checkpoint has \(\d+, 32\), model needs \(\d+, 64\)"):
+                                         r"model.wte.weight: file has \(\d+, 32\), model needs \(\d+, 64\)"):
         check_checkpoint(checkpoint, wider)
     deeper = ComposerMosaicGPT(MosaicGPTConfig.from_dict({**model_cfg, "n_layers": 3}))
     with pytest.raises(ValueError, match=r"missing model.blocks.2.\S+"):
