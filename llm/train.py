@@ -425,17 +425,23 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
     trainer = build_trainer(cfg, tokenizer)
     model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrapped from DDP
     start_batch = int(trainer.state.timestamp.batch)
+    max_duration = trainer.state.max_duration
+    # Composer refuses to fit a run that has reached max_duration (e.g. `make train` again after it
+    # finished, with autoresume): evaluate and export it as it is.
+    finished = trainer.state.timestamp.get(max_duration.unit) >= max_duration
     print(
         f"run {trainer.state.run_name}: {model.model.num_parameters():,} parameters, "
         f"{cfg['tokenizer']['kind'] if 'tokenizer' in cfg else cfg['load_pretrained']} tokenizer of "
         f"{len(tokenizer)} tokens, {len(trainer.state.train_dataloader.dataset):,} training sequences of up to "
         f"{model.config.max_seq_len} tokens, "
-        f"max_duration {cfg['max_duration']}" + (f", resuming at batch {start_batch}" if start_batch else ""),
+        f"max_duration {cfg['max_duration']}" + (f", resuming at batch {start_batch}" if start_batch else "")
+        + (" (already trained that far: evaluating only)" if finished else ""),
         flush=True,
     )
 
     fit_started = time.perf_counter()
-    trainer.fit()
+    if not finished:
+        trainer.fit()
     fit_seconds = time.perf_counter() - fit_started
 
     heldout = evaluate_heldout(trainer, cfg, tokenizer, model.config.max_seq_len)  # on every rank

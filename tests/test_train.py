@@ -93,6 +93,10 @@ def test_train_checkpoints_resumes_and_exports(tiny_cfg):
     tiny_cfg.max_duration = "10ba"
     third = train(tiny_cfg)
     assert (third["start_batch"], third["batches"]) == (9, 10)
+    # Once max_duration is reached, running again only evaluates and exports (Composer's fit would raise).
+    again = train(tiny_cfg)
+    assert (again["start_batch"], again["batches"]) == (10, 10)
+    assert again["heldout_nats_per_token"] == pytest.approx(third["heldout_nats_per_token"], rel=1e-5)
 
     tiny_cfg.tokenizer = {"kind": "bpe", "vocab_size": 300}
     with pytest.raises(ValueError, match="holds a tokenizer built with"):
