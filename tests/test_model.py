@@ -163,6 +163,29 @@ def test_save_and_load_pretrained_roundtrip(tmp_path):
     assert loaded.config == model.config
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["learned", "llama"])
+def test_widening_weights_are_column_major_whatever_the_loading_path(tmp_path, scheme):
+    """The layout is kept through init, from_pretrained and load_state_dict, and changes no value."""
+    model = tiny_model(scheme, expansion_ratio=4)
+    model.save_pretrained(tmp_path / "m")
+    loaded = MosaicGPT.from_pretrained(tmp_path / "m")
+    assigned = tiny_model(scheme, seed=1, expansion_ratio=4)
+    assigned.load_state_dict({k: v.contiguous().clone() for k, v in model.state_dict().items()}, assign=True)
+    for m in (model, loaded, assigned):
+        widening = [mod for mod in m.blocks.modules() if isinstance(mod, torch.nn.Linear)
+                    and mod.out_features > mod.in_features]
+        assert len(widening) == (2 if scheme == "learned" else 3) * m.config.n_layers  # Wqkv, up (and gate)
+        assert all(mod.weight.t().is_contiguous() and not mod.weight.is_contiguous() for mod in widening)
+    row_major = tiny_model(scheme, expansion_ratio=4)
+    for mod in row_major.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.weight.data = mod.weight.data.contiguous()
+    ids = torch.randint(0, 61, (2, 9))
+    for m in (model, loaded, assigned):
+        torch.testing.assert_close(m(ids).logits, row_major(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_load_pretrained_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.yaml"):
         MosaicGPT.from_pretrained(tmp_path)

@@ -36,14 +36,15 @@ def _timed(fn, repeats: int):
     return best, result
 
 
-def copy_prompt(tokenizer, chat: bool, max_tokens: int | None) -> str:
-    """A prompt whose natural answer repeats a passage of held-out Shakespeare, in ``max_tokens``."""
+def copy_prompt(tokenizer, max_tokens: int | None) -> str:
+    """A prompt whose natural continuation repeats a passage of held-out Shakespeare.
+
+    The passage is shown twice and a third copy is begun, so a model that copies (induction
+    heads) continues it verbatim; an instruction such as "repeat this text" is not followed
+    reliably by small models (SmolLM2-135M-Instruct paraphrases). Cut to ``max_tokens``.
+    """
     passage = load_corpus("validation")[20000:20900]
     passage = passage[passage.index("\n") + 1:]
-    if chat:
-        messages = [{"role": "user", "content": f"Repeat the following text exactly, with no comment:\n\n{passage}"}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # a small model continues a passage it has just seen: show it twice, then start a third time
     while True:
         prompt = f"{passage}\n\n{passage}\n\n{passage[:40]}"
         if max_tokens is None or len(tokenizer(prompt).input_ids) <= max_tokens:
@@ -65,7 +66,7 @@ def speculative_table(model, tokenizer, draft, *, chat: bool, new_tokens: int, r
     if model.config.learned_pos_emb:  # prompt + new tokens must fit the position table
         new_tokens = min(new_tokens, model.config.max_seq_len // 3)
     budget = model.config.max_seq_len - new_tokens if model.config.learned_pos_emb else None
-    for task, prompt in (("copy", copy_prompt(tokenizer, chat, budget)), ("free", free_prompt(tokenizer, chat))):
+    for task, prompt in (("copy", copy_prompt(tokenizer, budget)), ("free", free_prompt(tokenizer, chat))):
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
         modes = {"greedy": {}, "lookup": dict(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=3)}
         if draft is not None:

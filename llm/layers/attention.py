@@ -91,16 +91,29 @@ def attention_heads(
             neg = torch.finfo(query.dtype).min / 2
             bias = attn_bias.to(query.dtype) if attn_bias is not None else torch.zeros((), dtype=query.dtype, device=query.device)
             mask = bias if allowed is None else torch.where(allowed, bias, neg)
-        gqa = kv_heads != n_heads
-        if gqa and query.device.type == "cpu":
-            # torch's CPU flash kernel has no grouped-query path (enable_gqa falls back to the
-            # slower math kernel): repeat the key heads instead.
-            key = key.repeat_interleave(n_heads // kv_heads, dim=1)
-            value = value.repeat_interleave(n_heads // kv_heads, dim=1)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast, scale=scale, enable_gqa=gqa,
-        )
+        group = n_heads // kv_heads
+        # torch's CPU flash kernel has no grouped-query path (enable_gqa falls back to the slower
+        # math kernel), so on the CPU the query heads of a group are folded into the query axis
+        # (as the torch impl does) instead of copying the whole cache group times per layer and
+        # step; a square causal prefill (is_causal) repeats the key heads instead.
+        fold = group > 1 and query.device.type == "cpu" and not causal_fast
+        if fold:
+            if mask is not None:
+                mask = torch.broadcast_to(mask, (batch, n_heads, seq_q, seq_k)).reshape(
+                    batch, kv_heads, group * seq_q, seq_k)
+            out = F.scaled_dot_product_attention(
+                query.reshape(batch, kv_heads, group * seq_q, head_dim), key, value, attn_mask=mask,
+                dropout_p=p, scale=scale,
+            ).view(batch, n_heads, seq_q, head_dim)
+        else:
+            gqa = group > 1
+            if gqa and query.device.type == "cpu":
+                key = key.repeat_interleave(group, dim=1)
+                value = value.repeat_interleave(group, dim=1)
+                gqa = False
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast, scale=scale, enable_gqa=gqa,
+            )
     elif impl == "torch":
         group = n_heads // kv_heads
         # Fold the query heads of a group into the query axis: no copy of the keys per head.

@@ -50,6 +50,19 @@ def test_matches_reference_with_cache_shaped_keys_and_padding(impl, kv_heads):
 
 
 @pytest.mark.parametrize("impl", ["torch", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("sq,sk", [(1, 9), (3, 9), (6, 6)])
+def test_matches_reference_without_masks(impl, kv_heads, sq, sk):
+    """The unmasked paths: one decoded token, a multi-token step over a cache, a square prefill."""
+    torch.manual_seed(1)
+    b, h, d = 2, 4, 8
+    q = torch.randn(b, sq, h * d)
+    k, v = torch.randn(b, sk, kv_heads * d), torch.randn(b, sk, kv_heads * d)
+    out = attention(q, k, v, h, kv_n_heads=kv_heads, impl=impl)
+    torch.testing.assert_close(out.double(), reference(q, k, v, h, kv_heads, None, causal=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "sdpa"])
 def test_causal_mask_is_aligned_to_the_end_of_the_keys(impl):
     """The last sq queries over sk keys equal the last sq rows of the full square attention."""
     torch.manual_seed(1)
