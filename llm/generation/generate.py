@@ -71,8 +71,10 @@ class _Decoding:
     """State of one generate call; iterate to decode, one (batch, n) chunk of new tokens per step."""
 
     def __init__(self, model, input_ids, inputs_embeds, attention_mask, past_key_values, max_new_tokens, sampler,
-                 eos_token_id, pad_token_id, stop, proposer):
+                 eos_token_id, pad_token_id, stop, proposer, schedule="heuristic"):
         self.model, self.sampler, self.stop, self.proposer = model, sampler, stop, proposer
+        self.schedule = schedule
+        self.draft_len = proposer.num_tokens if proposer is not None else 0
         config = model.config
         prompt = input_ids if input_ids is not None else inputs_embeds
         self.batch, self.prompt_len = prompt.shape[:2]
@@ -159,7 +161,7 @@ class _Decoding:
         if self.proposer is not None:
             # the draft and the token after it must fit what max_new_tokens leaves
             room = self.max_new_tokens - len(self.new_tokens[0]) - 1
-            draft, draft_probs = self.proposer.propose(self.history[0], room)
+            draft, draft_probs = self.proposer.propose(self.history[0], min(room, self.draft_len))
             self.stats["proposed_tokens"] += draft.numel()
             if isinstance(self.proposer, DraftModel):
                 self.stats["draft_forward_passes"] += draft.numel()
@@ -173,6 +175,11 @@ class _Decoding:
         logits = self._forward(fed, logits_to_keep=fed.shape[1])[0]
         accepted, token = self._accept(draft, draft_probs, logits)
         self.stats["accepted_tokens"] += accepted
+        if self.schedule == "heuristic":
+            # transformers' heuristic schedule: lengthen the draft after a fully accepted one,
+            # shorten it after a rejection, so wrong drafts (free text) cost little extra compute.
+            full = accepted == draft.numel()
+            self.draft_len = min(self.proposer.num_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
         self.cache.crop(self.cache.get_seq_length() - (draft.numel() - accepted))
         chunk = torch.cat([draft[:accepted], token.view(1)])[None]
         chunk = self._emit(chunk)
@@ -250,7 +257,7 @@ def _decodings(model, input_ids=None, *, inputs_embeds=None, attention_mask=None
                max_new_tokens=20, do_sample=False, temperature=1.0, top_k=None, top_p=None, min_p=None,
                repetition_penalty=None, eos_token_id=None, pad_token_id=None, stop_strings=None, tokenizer=None,
                seed=None, prompt_lookup_num_tokens=None, max_matching_ngram_size=None, reference_ids=None,
-               assistant_model=None, num_assistant_tokens=None):
+               assistant_model=None, num_assistant_tokens=None, num_assistant_tokens_schedule="heuristic"):
     """Validate the arguments; return the per-row (speculative) or whole-batch decodings to run."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -258,6 +265,10 @@ def _decodings(model, input_ids=None, *, inputs_embeds=None, attention_mask=None
     _positive_int("prompt_lookup_num_tokens", prompt_lookup_num_tokens)
     _positive_int("max_matching_ngram_size", max_matching_ngram_size)
     _positive_int("num_assistant_tokens", num_assistant_tokens)
+    if num_assistant_tokens_schedule not in ("heuristic", "constant"):
+        raise ValueError(
+            f"num_assistant_tokens_schedule must be 'heuristic' or 'constant', got {num_assistant_tokens_schedule!r}"
+        )
     if prompt_lookup_num_tokens is not None and assistant_model is not None:
         raise ValueError("choose one proposer: prompt_lookup_num_tokens (reference decoding) or assistant_model")
     if assistant_model is not None and assistant_model.config.vocab_size != model.config.vocab_size:
@@ -274,7 +285,7 @@ def _decodings(model, input_ids=None, *, inputs_embeds=None, attention_mask=None
     stop = _StopStrings(stop_strings, tokenizer) if stop_strings is not None else None
 
     common = dict(max_new_tokens=max_new_tokens, sampler=sampler, eos_token_id=eos_token_id,
-                  pad_token_id=pad_token_id, stop=stop)
+                  pad_token_id=pad_token_id, stop=stop, schedule=num_assistant_tokens_schedule)
 
     def proposer():
         if assistant_model is not None:
@@ -331,6 +342,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, streamer=None,
             generated text, or ``reference_ids`` (1-D token tensors of documents).
         assistant_model, num_assistant_tokens: draft-model speculative decoding with a smaller
             MosaicGPT of the same vocabulary, proposing K tokens per step.
+        num_assistant_tokens_schedule: ``"heuristic"`` (default, as transformers' schedule of
+            that name): the draft length, at most K, grows by 2 after a fully accepted draft and
+            shrinks by 1 (to no less than 1) after a rejection, so that drafts that keep failing
+            (free text with reference decoding) cost little; ``"constant"``: always K. Either
+            way the tokens are the same.
         return_dict_in_generate: return a :class:`GenerateOutput` with statistics.
 
     Returns:

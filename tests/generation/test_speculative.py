@@ -30,6 +30,31 @@ def test_reference_decoding_is_greedy_decoding_and_copies_in_few_forwards(scheme
 
 
 @torch.no_grad()
+def test_heuristic_schedule_shortens_failing_drafts_and_keeps_right_ones_long():
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 61, (1, 8))
+    plain = model.generate(prompt, max_new_tokens=40)
+    noise = [torch.randint(0, 61, (300,), generator=torch.Generator().manual_seed(2))]
+    runs = {schedule: model.generate(prompt, max_new_tokens=40, prompt_lookup_num_tokens=6, max_matching_ngram_size=1,
+                                     reference_ids=noise, num_assistant_tokens_schedule=schedule,
+                                     return_dict_in_generate=True)
+            for schedule in ("constant", "heuristic")}
+    for out in runs.values():
+        assert torch.equal(out.sequences, plain)
+    constant, heuristic = runs["constant"].stats, runs["heuristic"].stats
+    assert constant["proposed_tokens"] - constant["accepted_tokens"] > 4 * constant["forward_passes"]
+    # after a rejection the draft shrinks to one token: rejected tokens ~ one per verification
+    wasted = heuristic["proposed_tokens"] - heuristic["accepted_tokens"]
+    assert wasted < 0.5 * (constant["proposed_tokens"] - constant["accepted_tokens"])
+    # right drafts stay at full length (the answer as the reference: the first draft is right)
+    copied = model.generate(prompt, max_new_tokens=40, prompt_lookup_num_tokens=6, max_matching_ngram_size=3,
+                            reference_ids=[plain[0, 8:]], return_dict_in_generate=True)
+    assert torch.equal(copied.sequences, plain) and copied.stats["forward_passes"] <= 1 + 40 // 7 + 2
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule must be 'heuristic' or 'constant'"):
+        model.generate(prompt, prompt_lookup_num_tokens=3, num_assistant_tokens_schedule="adaptive")
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("scheme", ["learned", "alibi", "llama"])
 def test_draft_model_decoding_is_greedy_decoding(scheme):
     model = tiny_model(scheme)
