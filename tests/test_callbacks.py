@@ -69,7 +69,6 @@ def test_resumed_run_keeps_the_whole_curve(setup, tmp_path):
     assert list(resumed_ce.values()) == pytest.approx(list(full_ce.values()), abs=1e-6)
 
 
-@pytest.mark.skipif("CurvePlotter" not in vars(llm.train), reason="llm.train does not add the callbacks yet (issue 6 wiring)")
 def test_train_writes_curves_and_config(setup, tmp_path):
     cfg, _ = setup
     cfg = {**cfg, "save_folder": str(tmp_path / "run"), "num_samples": 0}

@@ -1,15 +1,11 @@
 """Data-parallel training on CPU: ``composer -n 2`` (gloo) gives each rank its own half of every batch,
 and the loss curve and weights match one process with the same global batch size.
 
-Until :func:`llm.train.train` runs on several processes (it refuses to), the two processes run
-``tests.train_helpers.train_data_parallel`` (``build_trainer`` with the batch split over ranks);
-afterwards they run ``train`` itself, and its held-out figures and export are compared too.
+Both runs go through :func:`llm.train.train`; its held-out figures and exports are compared too.
 """
 
-import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 import llm.train
-from llm.train import build_trainer, prepare_tokenizer, resolve_config
 from tests.train_helpers import BatchRecorder, extra_callbacks, make_tiny_plays, read_record, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 COMPOSER = Path(sys.executable).with_name("composer")
-PARALLEL_TRAIN = "runs in a single process" not in inspect.getsource(llm.train.train)
 
 
 @pytest.mark.skipif(not COMPOSER.is_file(), reason="needs Composer's launcher next to the Python interpreter")
@@ -38,17 +32,8 @@ def test_two_processes_match_one(tmp_path):
     args = [str(COMPOSER), "-n", "2", "--stderr", str(tmp_path / "rank{rank}.stderr"), "-m", "tests.train_helpers",
             str(tmp_path / "ddp.json"), "--record", str(tmp_path / "ddp{rank}.batches")]
     with extra_callbacks(BatchRecorder(tmp_path / "single.batches")):
-        if PARALLEL_TRAIN:
-            result = llm.train.train(single)
-            single_weights = load_file(str(Path(result["model_dir"]) / "model.safetensors"))
-        else:
-            cfg = resolve_config(single)
-            tokenizer = prepare_tokenizer(cfg["tokenizer"], tmp_path / "single" / "tokenizer", plays_dir=plays)
-            trainer = build_trainer(cfg, tokenizer)
-            trainer.fit()
-            single_weights = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
-            shutil.copytree(tmp_path / "single" / "tokenizer", tmp_path / "ddp" / "tokenizer")
-            args += ["--ddp-weights", str(tmp_path / "ddp.pt")]
+        result = llm.train.train(single)
+    single_weights = load_file(str(Path(result["model_dir"]) / "model.safetensors"))
     proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -61,13 +46,10 @@ def test_two_processes_match_one(tmp_path):
         assert not rank0[batch][2] & rank1[batch][2]  # each rank its own shard...
         assert rank0[batch][2] | rank1[batch][2] == rows  # ...together the one-process batch
         assert rank0[batch][1] == rank1[batch][1] == pytest.approx(loss, abs=1e-5)  # the all-reduced loss
-    if PARALLEL_TRAIN:
-        ddp_weights = load_file(str(tmp_path / "ddp" / "model" / "model.safetensors"))
-        metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
-        assert (metrics["batches"], metrics["tokens"]) == (result["batches"], result["tokens"])
-        assert metrics["heldout_nats_per_token"] == pytest.approx(result["heldout_nats_per_token"], abs=1e-5)
-    else:
-        ddp_weights = torch.load(tmp_path / "ddp.pt")
+    ddp_weights = load_file(str(tmp_path / "ddp" / "model" / "model.safetensors"))
+    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert (metrics["batches"], metrics["tokens"]) == (result["batches"], result["tokens"])
+    assert metrics["heldout_nats_per_token"] == pytest.approx(result["heldout_nats_per_token"], abs=1e-5)
     assert ddp_weights.keys() == single_weights.keys()
     # Adam's first steps are about lr * sign(g): float32 reduction-order differences of near-zero
     # gradients move a few weights by ~1e-6 (3.8e-6 at most here).

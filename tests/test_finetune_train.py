@@ -8,7 +8,6 @@ from composer import Trainer
 from composer.core import Evaluator
 from composer.optim import DecoupledAdamW
 
-import llm.train
 from llm.data import load_tokenizer
 from llm.data.cues import cue_pairs, make_cue_dataset, write_jsonl
 from llm.data.finetune import IGNORE_INDEX, load_jsonl
@@ -20,7 +19,6 @@ from tests.train_helpers import make_tiny_plays, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
-WIRED = "load_pretrained" in llm.train.DEFAULTS
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +103,6 @@ def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
     assert untuned["evaluators"]["validation"]["nats_per_token"] > after + 0.1
 
 
-@pytest.mark.skipif(not WIRED, reason="llm.train does not know load_pretrained yet (issue 6 wiring)")
 def test_train_finetunes_from_load_pretrained(setup, tmp_path):
     cfg = tiny_config(setup["plays"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="10ba",
                       eval_interval="5ba", save_interval="5ba", num_samples=1, sample_max_new_tokens=8,

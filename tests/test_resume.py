@@ -24,7 +24,6 @@ from llm.checkpointing import (
 from llm.composer_model import ComposerMosaicGPT
 from llm.config import MosaicGPTConfig
 from llm.data import load_tokenizer
-import llm.train
 from llm.train import CHECKPOINT_FILENAME, train
 from tests.train_helpers import BatchRecorder, extra_callbacks, make_tiny_plays, read_record, tiny_config
 
@@ -178,7 +177,6 @@ def test_bad_checkpoints_name_the_file_and_what_did_not_fit(runs, tmp_path):
         check_checkpoint(tmp_path / "nope.pt", deeper)
 
 
-@pytest.mark.skipif("repair_latest_checkpoint" not in vars(llm.train), reason="llm.train does not repair yet (issue 6 wiring)")
 def test_train_repairs_a_half_written_checkpoint_by_itself(runs, tmp_path):
     folder = tmp_path / "b"
     shutil.copytree(runs["b"]["save_folder"], folder, symlinks=True)

@@ -2,8 +2,8 @@
 
 Run as a script (``python -m tests.train_helpers CONFIG.json [--kill-after N] [--record FILE]``)
 it trains with :func:`llm.train.train`, recording the batches it sees and SIGKILLing itself at
-the end of batch N, as a crash would; with ``--ddp-weights FILE``, under ``composer -n 2 -m
-tests.train_helpers ...``, it trains data-parallel (:func:`train_data_parallel`).
+the end of batch N, as a crash would; under ``composer -n 2 -m tests.train_helpers ...`` each
+process runs it (data-parallel training).
 """
 
 from __future__ import annotations
@@ -129,57 +129,22 @@ def extra_callbacks(*callbacks: Callback, loggers=()):
         llm.train.Trainer = original
 
 
-def train_data_parallel(cfg: dict, weights_path: str | None = None) -> None:
-    """Data-parallel training on every process of a ``composer -n N`` launch (gloo on CPU).
-
-    What :func:`llm.train.train` lacks for that: each rank's loader gets
-    ``global_train_batch_size / world_size`` sequences (done here unless ``build_trainer`` does
-    it), and the tokenizer must already be in ``<save_folder>/tokenizer`` (written by one process
-    before the launch). Saves the final weights (rank 0) to ``weights_path``.
-    """
-    from composer.utils import dist, get_device
-
-    from llm.data import load_tokenizer
-    from llm.train import build_trainer, resolve_config
-
-    dist.initialize_dist(get_device(None))
-    cfg = resolve_config(cfg)
-    world = dist.get_world_size()
-    if cfg["global_train_batch_size"] % world:
-        raise ValueError(f"global_train_batch_size {cfg['global_train_batch_size']} is not divisible by {world} ranks")
-    tokenizer = load_tokenizer(Path(cfg["save_folder"]) / "tokenizer")
-    import llm.train
-
-    if not hasattr(llm.train, "device_batch_size"):  # build_trainer does not split the batch over ranks yet
-        cfg = {**cfg, "global_train_batch_size": cfg["global_train_batch_size"] // world}
-    trainer = build_trainer(cfg, tokenizer)
-    trainer.fit()
-    if weights_path and dist.get_global_rank() == 0:
-        model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrap DistributedDataParallel
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, weights_path)
-
-
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     from llm.train import train
 
     cfg = json.loads(Path(argv[0]).read_text())
-    callbacks, ddp_weights = [], None
+    callbacks = []
     args = iter(argv[1:])
     for arg in args:
         if arg == "--kill-after":
             callbacks.append(KillAfter(int(next(args))))
         elif arg == "--record":
             callbacks.insert(0, BatchRecorder(next(args)))
-        elif arg == "--ddp-weights":
-            ddp_weights = next(args)
         else:
             raise SystemExit(f"unknown argument {arg}")
     with extra_callbacks(*callbacks):
-        if ddp_weights:
-            train_data_parallel(cfg, ddp_weights)
-        else:
-            train(cfg)
+        train(cfg)
     return 0
 
 
