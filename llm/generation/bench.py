@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--draft-tokens", type=int, default=4)
-    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-transformers", action="store_true", help="skip the side-by-side with transformers")
+    p.add_argument("--skip-speculative", action="store_true", help="only the side-by-side with transformers")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -186,21 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     results = {}
-    model = MosaicGPT.from_pretrained(args.model)
-    tokenizer = load_tokenizer(args.model)
-    draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
-    results["shakespeare"] = speculative_table(
-        model, tokenizer, draft, chat=False, new_tokens=args.new_tokens, repeats=args.repeats,
-        lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
-    print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
+    if not args.skip_speculative:
+        model = MosaicGPT.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
+        draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
+        results["shakespeare"] = speculative_table(
+            model, tokenizer, draft, chat=False, new_tokens=args.new_tokens, repeats=args.repeats,
+            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+        print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
 
     if args.pretrained != "none":
         model = MosaicGPT.from_pretrained(args.pretrained)
         tokenizer = load_tokenizer(args.pretrained)
-        results["pretrained"] = speculative_table(
-            model, tokenizer, None, chat=True, new_tokens=args.new_tokens, repeats=args.repeats,
-            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
-        print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
+        if not args.skip_speculative:
+            results["pretrained"] = speculative_table(
+                model, tokenizer, None, chat=True, new_tokens=args.new_tokens, repeats=args.repeats,
+                lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+            print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
         if not args.skip_transformers:
             hf_model = hf_llama(model)
             results["transformers"] = transformers_table(model, hf_model, tokenizer, new_tokens=64,

@@ -221,10 +221,12 @@ class MultiheadAttention(nn.Module):
         query and key heads (rotary position embedding) before they are cached.
         """
         batch, seq, _ = x.shape
-        qkv = self.Wqkv(x).view(batch, seq, self.n_heads + 2 * self.kv_n_heads, self.head_dim)
-        q, k, v = qkv.transpose(1, 2).split([self.n_heads, self.kv_n_heads, self.kv_n_heads], dim=1)
-        if rotary is not None:
-            q, k = rotary(q), rotary(k)
+        qkv = self.Wqkv(x).view(batch, seq, self.n_heads + 2 * self.kv_n_heads, self.head_dim).transpose(1, 2)
+        if rotary is not None:  # queries and keys rotated in one call
+            qk, v = qkv.split([self.n_heads + self.kv_n_heads, self.kv_n_heads], dim=1)
+            q, k = rotary(qk).split([self.n_heads, self.kv_n_heads], dim=1)
+        else:
+            q, k, v = qkv.split([self.n_heads, self.kv_n_heads, self.kv_n_heads], dim=1)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         out = attention_heads(
