@@ -62,25 +62,6 @@ class MosaicGPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("out_proj.weight", "down_proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
-        self._column_major_expanding_weights()
-        # load_state_dict(assign=True) (from_pretrained, the converters) brings row-major tensors.
-        self.register_load_state_dict_post_hook(lambda module, _: module._column_major_expanding_weights())
-
-    def _column_major_expanding_weights(self) -> None:
-        """Store the weight of each block projection that widens (out_features > in_features:
-        Wqkv, the FFN's up and gate projections) column-major, i.e. its transpose contiguous.
-
-        Values, shapes and the state dict are unchanged; only the strides differ. For the few
-        rows of a decoding step, MKL's SGEMM reads an (in, out)-contiguous right-hand side about
-        1.4-1.6x faster than the (out, in) rows of nn.Linear (the narrowing projections and the
-        vocabulary head do not gain), which makes a SmolLM2-135M decoding step ~13% faster on
-        the CPU (``scripts/bench_generate.py``). Training speed is unaffected.
-        """
-        for module in self.blocks.modules():
-            if isinstance(module, nn.Linear) and module.out_features > module.in_features:
-                weight = module.weight.data
-                if weight.is_contiguous():
-                    module.weight.data = weight.t().contiguous().t()
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

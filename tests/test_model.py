@@ -163,29 +163,6 @@ def test_save_and_load_pretrained_roundtrip(tmp_path):
     assert loaded.config == model.config
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("scheme", ["learned", "llama"])
-def test_widening_weights_are_column_major_whatever_the_loading_path(tmp_path, scheme):
-    """The layout is kept through init, from_pretrained and load_state_dict, and changes no value."""
-    model = tiny_model(scheme, expansion_ratio=4)
-    model.save_pretrained(tmp_path / "m")
-    loaded = MosaicGPT.from_pretrained(tmp_path / "m")
-    assigned = tiny_model(scheme, seed=1, expansion_ratio=4)
-    assigned.load_state_dict({k: v.contiguous().clone() for k, v in model.state_dict().items()}, assign=True)
-    for m in (model, loaded, assigned):
-        widening = [mod for mod in m.blocks.modules() if isinstance(mod, torch.nn.Linear)
-                    and mod.out_features > mod.in_features]
-        assert len(widening) == (2 if scheme == "learned" else 3) * m.config.n_layers  # Wqkv, up (and gate)
-        assert all(mod.weight.t().is_contiguous() and not mod.weight.is_contiguous() for mod in widening)
-    row_major = tiny_model(scheme, expansion_ratio=4)
-    for mod in row_major.modules():
-        if isinstance(mod, torch.nn.Linear):
-            mod.weight.data = mod.weight.data.contiguous()
-    ids = torch.randint(0, 61, (2, 9))
-    for m in (model, loaded, assigned):
-        torch.testing.assert_close(m(ids).logits, row_major(ids).logits, atol=1e-5, rtol=1e-5)
-
-
 def test_load_pretrained_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.yaml"):
         MosaicGPT.from_pretrained(tmp_path)
@@ -213,3 +190,21 @@ def test_padding_between_a_cached_prefix_and_new_tokens_is_invisible(model):
     rest = model(gapped[:, 5:], attention_mask=mask, past_key_values=cache).logits
     torch.testing.assert_close(first, alone[:, :5], atol=ATOL, rtol=0)
     torch.testing.assert_close(rest[:, 3:], alone[:, 5:], atol=ATOL, rtol=0)
+
+
+def test_the_model_pickles_and_its_parameters_are_plain_tensors(tmp_path):
+    """What users and tools do with any nn.Module: pickle it, flatten its parameters, save its state dict."""
+    import io
+    import pickle
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("llama")
+    again = pickle.loads(pickle.dumps(model))
+    ids = torch.randint(0, 61, (1, 7))
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, atol=0, rtol=0)
+    torch.save(model, io.BytesIO())
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    assert vector.numel() == model.num_parameters()
+    save_file(model.state_dict(), tmp_path / "w.safetensors")
+    assert load_file(tmp_path / "w.safetensors").keys() == model.state_dict().keys()

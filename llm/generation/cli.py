@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lookup: copy drafts from the prompt (LLMA); draft: a smaller --draft-model")
     p.add_argument("--draft-model", help="the draft model for --speculative draft")
     p.add_argument("--num-speculative-tokens", type=_positive_int, default=5)
+    p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
+                   help="heuristic: adapt the draft length and draft only while it pays; constant: always "
+                        "--num-speculative-tokens (num_assistant_tokens_schedule)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     return p
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             stop_strings=args.stop, tokenizer=tokenizer if args.stop else None, return_dict_in_generate=True,
         )
+        if args.speculative != "none":
+            options.update(num_assistant_tokens_schedule=args.speculative_schedule)
         if args.speculative == "lookup":
             options.update(prompt_lookup_num_tokens=args.num_speculative_tokens, max_matching_ngram_size=3)
         elif args.speculative == "draft":

@@ -31,8 +31,8 @@ class GenerateOutput:
         sequences: what ``generate`` returns otherwise: (batch, prompt + new) int64 with
             input_ids, (batch, new) with inputs_embeds.
         past_key_values: the cache after decoding (it holds all but the last new token).
-        stats: ``prefill_tokens``, ``new_tokens``, ``forward_passes`` (of the model, prefill
-            included), ``proposed_tokens`` and ``accepted_tokens`` (draft tokens, any proposer),
+        stats: ``prefill_tokens`` and ``new_tokens`` (real tokens: no padding, no pad tokens of
+            finished rows), ``forward_passes`` (of the model, prefill included), ``proposed_tokens`` and ``accepted_tokens`` (draft tokens, any proposer),
             ``draft_forward_passes``, ``prefill_s`` and ``decode_s`` (seconds),
             ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` (decode: tokens after the first).
     """
@@ -136,7 +136,8 @@ class _Decoding:
             self.seen.scatter_(1, self.history, self.mask[:, : self.history.shape[1]])
         self.finished = torch.zeros(self.batch, dtype=torch.bool, device=device)
         self.new_tokens: list[list[int]] = [[] for _ in range(self.batch)]
-        self.stats = dict(prefill_tokens=self.batch * (self.prompt_len - self.cached), new_tokens=0, forward_passes=0,
+        # token counts are of real tokens: padding and the pad tokens of finished rows do not count
+        self.stats = dict(prefill_tokens=int(self.mask[:, self.cached:].sum()), new_tokens=0, forward_passes=0,
                           proposed_tokens=0, accepted_tokens=0, draft_forward_passes=0)
         self.prefill_s = self.decode_s = 0.0
 
@@ -180,6 +181,7 @@ class _Decoding:
             return chunk
 
         fed = torch.cat([last, draft])[None]
+        cached = self.cache.get_seq_length()
         logits = self._forward(fed, logits_to_keep=fed.shape[1])[0]
         accepted, token = self._accept(draft, draft_probs, logits)
         self.stats["accepted_tokens"] += accepted
@@ -189,9 +191,10 @@ class _Decoding:
             full = accepted == draft.numel()
             self.draft_len = min(self.proposer.num_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
             self.gain = 0.5 * self.gain + 0.5 * accepted
-        self.cache.crop(self.cache.get_seq_length() - (draft.numel() - accepted))
-        chunk = torch.cat([draft[:accepted], token.view(1)])[None]
-        chunk = self._emit(chunk)
+        chunk = self._emit(torch.cat([draft[:accepted], token.view(1)])[None])
+        # The cache keeps the fed token and every emitted token but the last; emission may stop
+        # inside the accepted draft (eos, a stop string), so crop to what was emitted.
+        self.cache.crop(cached + chunk.shape[1])
         self.proposer.accepted(self.history[0])
         self._time_step("verify", started)
         return chunk
@@ -270,6 +273,7 @@ class _Decoding:
                     continue
                 t = int(tokens[row, j])
                 self.new_tokens[row].append(t)
+                self.stats["new_tokens"] += 1
                 if (self.eos is not None and bool((self.eos == t).any())) or (
                     self.stop is not None and self.stop.hit(self.new_tokens[row])
                 ):
@@ -278,7 +282,6 @@ class _Decoding:
         self.history = torch.cat([self.history, tokens], dim=1)
         if self.seen is not None:
             self.seen.scatter_(1, tokens, True)
-        self.stats["new_tokens"] += int(tokens.numel())
         return tokens
 
     def result(self, input_ids, return_dict: bool):
@@ -286,10 +289,10 @@ class _Decoding:
         sequences = torch.cat([input_ids.to(generated.device), generated], dim=1) if input_ids is not None else generated
         if not return_dict:
             return sequences
-        n = generated.shape[1]
+        decoded = self.stats["new_tokens"] - self.batch  # each row's first token comes from the prefill
         self.stats["prefill_s"], self.stats["decode_s"] = self.prefill_s, self.decode_s
         self.stats["prefill_tokens_per_s"] = self.stats["prefill_tokens"] / max(self.prefill_s, 1e-9)
-        self.stats["decode_tokens_per_s"] = self.batch * (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else float("nan")
+        self.stats["decode_tokens_per_s"] = decoded / self.decode_s if decoded > 0 and self.decode_s > 0 else float("nan")
         return GenerateOutput(sequences=sequences, past_key_values=self.cache, stats=self.stats)
 
 
@@ -319,6 +322,13 @@ def _decodings(model, input_ids=None, *, inputs_embeds=None, attention_mask=None
     speculative = prompt_lookup_num_tokens is not None or assistant_model is not None
     if speculative and input_ids is None:
         raise ValueError("speculative decoding works on token ids: pass input_ids, not inputs_embeds")
+    if assistant_model is not None and assistant_model.config.learned_pos_emb:
+        needed = input_ids.shape[1] + max_new_tokens - 1
+        if needed > assistant_model.config.max_seq_len:
+            raise ValueError(
+                f"assistant_model has learned positions up to max_seq_len={assistant_model.config.max_seq_len}, "
+                f"but the prompt of {input_ids.shape[1]} tokens + max_new_tokens={max_new_tokens} needs {needed}"
+            )
     generator = torch.Generator(device=model.device).manual_seed(seed) if seed is not None else None
     sampler = Sampler(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty, generator=generator)
@@ -438,6 +448,12 @@ def stream(model, input_ids: torch.Tensor | None = None, **kwargs) -> Iterator[t
 
     Takes ``generate``'s arguments (not ``streamer`` or ``return_dict_in_generate``). Finished
     rows yield ``pad_token_id``.
+
+    Raises:
+        ValueError: as ``generate``; and for speculative decoding of more than one prompt, which
+            decodes row by row and so has no (batch, n) steps to yield.
     """
-    for decoding in _decodings(model, input_ids, **kwargs):
-        yield from decoding
+    decodings = _decodings(model, input_ids, **kwargs)
+    if len(decodings) > 1:
+        raise ValueError("streaming speculative decoding needs a batch of one prompt")
+    yield from decodings[0]

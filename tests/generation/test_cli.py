@@ -40,14 +40,15 @@ def test_batch_of_prompts_equals_the_python_api(bundle, capsys):
     assert "prefill:" in out.err and "tokens/s" in out.err
 
 
-@pytest.mark.parametrize("mode", ["lookup", "stream"])
+@pytest.mark.parametrize("mode", ["lookup", "lookup-constant", "stream"])
 def test_lookup_and_streaming_print_the_greedy_text(bundle, capsys, mode):
     path, model, tokenizer = bundle
-    flags = ["--speculative", "lookup"] if mode == "lookup" else ["--stream"]
+    flags = {"lookup": ["--speculative", "lookup"], "stream": ["--stream"],
+             "lookup-constant": ["--speculative", "lookup", "--speculative-schedule", "constant"]}[mode]
     out = run(capsys, "--model", path, "--prompt", "the cat sat on the mat. the cat", "--temperature", 0,
               "--max-new-tokens", 20, *flags)
     assert greedy_text(model, tokenizer, "the cat sat on the mat. the cat", 20) in out.out
-    if mode == "lookup":
+    if mode.startswith("lookup"):
         assert "accepted" in out.err
 
 
@@ -76,6 +77,7 @@ def test_system_prompt_cache_file_gives_the_uncached_output(bundle, capsys, tmp_
         (["--prompt", "a", "--temperature", "-1"], "temperature must be >= 0"),
         ([], "at least one --prompt"),
         (["--prompt", "a", "--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--prompt", "a", "--speculative", "lookup", "--speculative-schedule", "adaptive"], "invalid choice: 'adaptive'"),
         (["--prompt", "a", "--chat"], "no chat template"),
     ],
 )

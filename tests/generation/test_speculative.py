@@ -140,3 +140,48 @@ def test_speculative_sampling_gives_exactly_the_models_distribution(mode):
         wrong = exact_distribution(draft, prompt, n_new, vocab, **filters)
         wrong_samples = [s for s, p in wrong.items() for _ in range(round(p * n_samples))]
         assert chi_square(wrong_samples, probs) > 3 * bound
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["lookup", "draft"])
+def test_stopping_inside_an_accepted_draft_leaves_a_cache_to_continue_from(mode):
+    model = tiny_model("rope")
+    prompt = torch.randint(0, 61, (1, 8))
+    answer = model.generate(prompt, max_new_tokens=30)[0, 8:]
+    eos = int(answer[6])  # drafts are right (the answer itself, or the model as its own draft): eos lands inside one
+    extra = (dict(prompt_lookup_num_tokens=8, reference_ids=[answer]) if mode == "lookup" else
+             dict(assistant_model=model, num_assistant_tokens=8))
+    out = model.generate(prompt, max_new_tokens=30, eos_token_id=eos, num_assistant_tokens_schedule="constant",
+                         return_dict_in_generate=True, **extra)
+    assert torch.equal(out.sequences, model.generate(prompt, max_new_tokens=30, eos_token_id=eos))
+    assert out.stats["accepted_tokens"] > 0
+    # the cache holds all but the last token, so a later call continues from it
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    more = model.generate(out.sequences, max_new_tokens=5, past_key_values=out.past_key_values)
+    assert torch.equal(more, model.generate(out.sequences, max_new_tokens=5))
+
+
+@torch.no_grad()
+def test_batch_statistics_count_real_tokens_in_every_mode():
+    model = tiny_model("alibi")
+    ids = torch.randint(0, 61, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    eos = int(model.generate(ids[:1], max_new_tokens=3)[0, -1])  # row 0 stops after 3 tokens
+    runs = [model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, return_dict_in_generate=True,
+                           **extra) for extra in ({}, dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1))]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    real_new = int((runs[0].sequences[:, 6:] != eos).sum()) + int((runs[0].sequences[:, 6:] == eos).any(1).sum())
+    for out in runs:
+        assert out.stats["prefill_tokens"] == 6 + 2
+        assert out.stats["new_tokens"] == real_new
+
+
+def test_speculative_errors_name_the_problem():
+    model = tiny_model("learned")
+    prompt = torch.randint(0, 61, (2, 5))
+    with pytest.raises(ValueError, match="streaming speculative decoding needs a batch of one prompt"):
+        list(model.stream(prompt, max_new_tokens=3, prompt_lookup_num_tokens=2))
+    short = tiny_model("learned", seed=3, max_seq_len=12)
+    with pytest.raises(ValueError, match=r"assistant_model has learned positions up to max_seq_len=12.*needs 14"):
+        model.generate(prompt[:1], max_new_tokens=10, assistant_model=short)
