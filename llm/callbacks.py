@@ -24,6 +24,8 @@ from composer.loggers import Logger
 from composer.utils import dist
 from omegaconf import DictConfig, OmegaConf
 
+from llm.io import atomic_write
+
 CURVES_PNG = "curves.png"
 CURVES_JSON = "curves.json"
 CONFIG_YAML = "config.yaml"
@@ -31,9 +33,7 @@ CONFIG_YAML = "config.yaml"
 
 def _replace_file(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: write(Path(tmp)))
 
 
 class CurvePlotter(Callback):

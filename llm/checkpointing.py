@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from llm.io import shape_mismatches
+from llm.io import atomic_write, shape_mismatches
 
 INCOMPLETE_SUFFIX = ".incomplete"
 _TMP_PREFIX = ".partial-"  # a leading dot: no checkpoint pattern of Composer's matches it
@@ -43,18 +42,7 @@ def _atomic_write_checkpoint_file(state_dict: dict[str, Any], filename: str) -> 
 
     if is_tar(filename) or is_compressed_pt(filename):
         return _original_write_checkpoint_file(state_dict, filename)
-    directory = os.path.dirname(filename) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{_TMP_PREFIX}{os.path.basename(filename)}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state_dict, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, filename)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(filename, lambda tmp: torch.save(state_dict, tmp), prefix=_TMP_PREFIX)
 
 
 def install_atomic_checkpoint_writes() -> None:

@@ -11,33 +11,17 @@ from omegaconf import OmegaConf
 from llm import MosaicGPT
 from llm.data import load_tokenizer
 from llm.train import build_trainer, prepare_tokenizer, resolve_config, train
+from tests.train_helpers import tiny_config
 
 
 @pytest.fixture
 def tiny_cfg(tmp_path):
-    return OmegaConf.create({
-        "model": {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2},
-        "tokenizer": {"kind": "char"},
-        "train_loader": {"dataset": {"split": "train"}, "shuffle": True, "drop_last": True},
-        "eval_loader": {"dataset": {"split": "validation"}, "shuffle": False, "drop_last": False},
-        "optimizer": {"name": "decoupled_adamw", "lr": 1.0e-2, "betas": [0.9, 0.95], "eps": 1.0e-8,
-                      "weight_decay": 0.0},
-        "scheduler": {"name": "cosine_with_warmup", "t_warmup": "2ba", "alpha_f": 0.1},
-        "algorithms": {"gradient_clipping": {"clipping_type": "norm", "clipping_threshold": 1.0}},
-        "max_duration": "6ba",
-        "eval_interval": "3ba",
-        "eval_subset_num_batches": 2,
-        "global_train_batch_size": 16,
-        "device_train_microbatch_size": 8,
-        "device_eval_batch_size": 256,
-        "seed": 3,
-        "save_folder": str(tmp_path / "run"),
-        "save_interval": "3ba",
-        "progress_bar": False,
-        "num_samples": 2,
-        "sample_max_new_tokens": 12,
-        "sample_prompts": ["ROMEO:"],
-    })
+    """train_helpers' tiny config on the real corpus, in two microbatches, with samples."""
+    cfg = tiny_config(None, tmp_path / "run", max_duration="6ba", eval_interval="3ba", save_interval="3ba",
+                      global_train_batch_size=16, device_train_microbatch_size=8, device_eval_batch_size=256, seed=3,
+                      num_samples=2, sample_max_new_tokens=12, sample_prompts=["ROMEO:"])
+    cfg["optimizer"]["weight_decay"] = 0.0
+    return OmegaConf.create(cfg)
 
 
 def test_fit_lowers_the_training_loss(tiny_cfg, tmp_path):

@@ -36,9 +36,12 @@ def make_tiny_plays(directory: Path, train_chars: int = 40_000, validation_chars
     return Path(directory)
 
 
-def tiny_config(plays_dir: Path, save_folder: Path, **overrides) -> dict:
-    """A char-level 2-layer d_model 32 model, 32-token blocks, batches of 8, a checkpoint every 2 batches."""
-    dataset = {"plays_dir": str(plays_dir), "cache_dir": str(Path(plays_dir) / "cache")}
+def tiny_config(plays_dir: Path | None, save_folder: Path, **overrides) -> dict:
+    """A char-level 2-layer d_model 32 model, 32-token blocks, batches of 8, a checkpoint every 2 batches.
+
+    ``plays_dir`` None: the real corpus.
+    """
+    dataset = {} if plays_dir is None else {"plays_dir": str(plays_dir), "cache_dir": str(Path(plays_dir) / "cache")}
     cfg = {
         "model": {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2},
         "tokenizer": {"kind": "char"},

@@ -1,6 +1,9 @@
-"""Draft proposers for speculative decoding: copies from references (LLMA) and a draft model."""
+"""Draft proposers for speculative decoding (copies from references (LLMA), a draft model) and the
+schedule that decides how much to draft at each step."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -94,3 +97,56 @@ class DraftModel:
     def accepted(self, history: torch.Tensor) -> None:
         """Roll the draft's cache back to what ``history`` (all accepted tokens) confirms."""
         self.cache.crop(min(self.cache.get_seq_length(), history.numel() - 1))
+
+
+class DraftSchedule:
+    """How many tokens to draft at each step of speculative decoding (0: decode plainly).
+
+    ``"constant"``: ``num_tokens`` at every step. ``"heuristic"`` (transformers' schedule of that
+    name, extended): the draft length, at most ``num_tokens``, grows by 2 after a fully accepted
+    draft and shrinks by 1 (to no less than 1) after a rejection; and a step drafts only while
+    drafting has paid. A forward of a few tokens costs from about one 1-token forward (small
+    models, GPUs) to about two (a CPU, where the weights are read by GEMM instead of GEMV), so
+    drafting pays when (1 + accepted draft tokens per verification) x plain-step seconds >
+    verify-step seconds, all three running means measured as decoding goes. After 15 steps
+    without a draft the next one drafts anyway, to notice when copying starts paying again.
+    """
+
+    def __init__(self, num_tokens: int, kind: str = "heuristic"):
+        self.num_tokens = num_tokens
+        self.kind = kind
+        self.draft_len = num_tokens
+        self.gain = float(num_tokens)  # running mean of accepted draft tokens, optimistic start
+        self.step_s: dict[str, float] = {}  # running mean seconds of a "plain" and a "verify" step
+        self.idle = 0  # steps since the last draft
+        self.started = 0.0
+
+    def next_draft_len(self) -> int:
+        """The most tokens to draft at the step that starts now (0: none); starts its clock."""
+        self.started = time.perf_counter()
+        if self.kind == "constant":
+            return self.num_tokens
+        plain, verify = self.step_s.get("plain"), self.step_s.get("verify")
+        if verify is None:
+            pays = True
+        elif plain is None:
+            pays = self.gain >= 1  # otherwise a plain step, which measures one
+        else:
+            pays = (1 + self.gain) * plain > verify
+        if pays or self.idle >= 15:
+            self.idle = 0
+            return self.draft_len
+        self.idle += 1
+        return 0
+
+    def step_done(self, proposed: int, accepted: int) -> None:
+        """Record the step: draft tokens proposed (0 for a plain step) and accepted."""
+        if self.kind == "constant":
+            return
+        seconds = time.perf_counter() - self.started
+        kind = "verify" if proposed else "plain"
+        old = self.step_s.get(kind)
+        self.step_s[kind] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if proposed:
+            self.draft_len = min(self.num_tokens, self.draft_len + 2) if accepted == proposed else max(1, self.draft_len - 1)
+            self.gain = 0.5 * self.gain + 0.5 * accepted

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.generation.candidates import DraftModel, PromptLookup
+from llm.generation.candidates import DraftModel, DraftSchedule, PromptLookup
 from llm.generation.sampling import Sampler
 
 
@@ -73,13 +73,7 @@ class _Decoding:
     def __init__(self, model, input_ids, inputs_embeds, attention_mask, past_key_values, max_new_tokens, sampler,
                  eos_token_id, pad_token_id, stop, proposer, schedule="heuristic"):
         self.model, self.sampler, self.stop, self.proposer = model, sampler, stop, proposer
-        self.schedule = schedule
-        self.draft_len = proposer.num_tokens if proposer is not None else 0
-        # heuristic schedule: draft tokens accepted per verification (running mean, optimistic
-        # start), running mean seconds of a "plain" step and of a "verify" step, steps without a draft
-        self.gain = float(self.draft_len)
-        self.step_s: dict[str, float] = {}
-        self.idle = 0
+        self.schedule = DraftSchedule(proposer.num_tokens, schedule) if proposer is not None else None
         config = model.config
         prompt = input_ids if input_ids is not None else inputs_embeds
         self.batch, self.prompt_len = prompt.shape[:2]
@@ -163,12 +157,12 @@ class _Decoding:
 
     def _step(self, last: torch.Tensor) -> torch.Tensor:
         """Feed the last token (and a draft); return the (batch, n) tokens emitted."""
-        started = time.perf_counter()
         draft, draft_probs = None, None
-        if self.proposer is not None and self._drafting_pays():
+        k = self.schedule.next_draft_len() if self.schedule is not None else 0
+        if k:
             # the draft and the token after it must fit what max_new_tokens leaves
             room = self.max_new_tokens - len(self.new_tokens[0]) - 1
-            draft, draft_probs = self.proposer.propose(self.history[0], min(room, self.draft_len))
+            draft, draft_probs = self.proposer.propose(self.history[0], min(room, k))
             self.stats["proposed_tokens"] += draft.numel()
             if isinstance(self.proposer, DraftModel):
                 self.stats["draft_forward_passes"] += draft.numel()
@@ -177,7 +171,8 @@ class _Decoding:
         if draft is None or draft.numel() == 0:
             logits = self._forward(last[:, None])[:, -1]
             chunk = self._emit(self.sampler.pick(logits, self.seen)[:, None])
-            self._time_step("plain", started)
+            if self.schedule is not None:
+                self.schedule.step_done(0, 0)
             return chunk
 
         fed = torch.cat([last, draft])[None]
@@ -185,49 +180,13 @@ class _Decoding:
         logits = self._forward(fed, logits_to_keep=fed.shape[1])[0]
         accepted, token = self._accept(draft, draft_probs, logits)
         self.stats["accepted_tokens"] += accepted
-        if self.schedule == "heuristic":
-            # transformers' heuristic schedule: lengthen the draft after a fully accepted one,
-            # shorten it after a rejection.
-            full = accepted == draft.numel()
-            self.draft_len = min(self.proposer.num_tokens, self.draft_len + 2) if full else max(1, self.draft_len - 1)
-            self.gain = 0.5 * self.gain + 0.5 * accepted
         chunk = self._emit(torch.cat([draft[:accepted], token.view(1)])[None])
         # The cache keeps the fed token and every emitted token but the last; emission may stop
         # inside the accepted draft (eos, a stop string), so crop to what was emitted.
         self.cache.crop(cached + chunk.shape[1])
         self.proposer.accepted(self.history[0])
-        self._time_step("verify", started)
+        self.schedule.step_done(draft.numel(), accepted)
         return chunk
-
-    def _drafting_pays(self) -> bool:
-        """Whether this step drafts: always with the constant schedule; with the heuristic one,
-        while steps with a draft have emitted more tokens per second than plain steps.
-
-        A forward of a few tokens costs from about one 1-token forward (small models, GPUs) to
-        about two (a CPU, where the weights are read by GEMM instead of GEMV), so drafting only
-        pays when (1 + accepted draft tokens per verification) * plain step seconds > verify step
-        seconds, all three running means measured as decoding goes. After 15 steps without a
-        draft the next one drafts anyway, to notice when copying starts paying again.
-        """
-        if self.schedule == "constant":
-            return True
-        plain, verify = self.step_s.get("plain"), self.step_s.get("verify")
-        if verify is None:
-            pays = True
-        elif plain is None:
-            pays = self.gain >= 1  # otherwise a plain step, which measures one
-        else:
-            pays = (1 + self.gain) * plain > verify
-        if pays or self.idle >= 15:
-            self.idle = 0
-            return True
-        self.idle += 1
-        return False
-
-    def _time_step(self, kind: str, started: float) -> None:
-        seconds = time.perf_counter() - started
-        old = self.step_s.get(kind)
-        self.step_s[kind] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def _accept(self, draft, draft_probs, logits):
         """Speculative acceptance: (number of draft tokens kept, the token that follows them).
@@ -392,13 +351,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, streamer=None,
             generated text, or ``reference_ids`` (1-D token tensors of documents).
         assistant_model, num_assistant_tokens: draft-model speculative decoding with a smaller
             MosaicGPT of the same vocabulary, proposing K tokens per step.
-        num_assistant_tokens_schedule: ``"heuristic"`` (default, as transformers' schedule of
-            that name): the draft length, at most K, grows by 2 after a fully accepted draft and
-            shrinks by 1 (to no less than 1) after a rejection; and steps draft only while
-            drafting has paid, in tokens per second measured as decoding goes (every 16th step
-            drafts anyway), so that drafts that keep failing (free text with reference decoding)
-            cost little; ``"constant"``: a draft of K at every step. Either way the tokens are
-            the same.
+        num_assistant_tokens_schedule: ``"heuristic"`` (default): the draft length adapts and
+            steps draft only while drafting pays in measured tokens per second, so that drafts
+            that keep failing (free text with reference decoding) cost little; ``"constant"``: a
+            draft of K at every step (see :class:`~llm.generation.candidates.DraftSchedule`).
+            Either way the tokens are the same.
         return_dict_in_generate: return a :class:`GenerateOutput` with statistics.
 
     Returns:
