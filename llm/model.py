@@ -18,6 +18,7 @@ from llm.config import MosaicGPTConfig
 from llm.generation import generate, stream
 from llm.io import atomic_write, shape_mismatches
 from llm.layers.blocks import MosaicGPTBlock
+from llm.layers.linear import Linear, linear
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
 
@@ -55,7 +56,7 @@ class MosaicGPT(nn.Module):
         self.emb_drop = nn.Dropout(config.emb_pdrop)
         self.blocks = nn.ModuleList(MosaicGPTBlock(config, i) for i in range(config.n_layers))
         self.norm_f = build_norm(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections into the residual stream (Radford et al. 2019).
@@ -206,7 +207,7 @@ class MosaicGPT(nn.Module):
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.norm_f(x)
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.wte.weight)
+        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.wte.weight)
         if legacy:
             cache = cache.to_legacy()
         return CausalLMOutput(logits=logits, past_key_values=cache)

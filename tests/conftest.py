@@ -34,3 +34,16 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
 def model(request):
     scheme, impl = request.param
     return tiny_model(scheme, impl)
+
+
+@pytest.fixture
+def threads(request):
+    """Run a test with ``request.param`` torch threads (parametrize with indirect=True), then one again.
+
+    Decoding-sized products of wide weights are split across threads (``llm.layers.linear``), a
+    path the single-threaded suite would otherwise never take.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -31,14 +31,24 @@ def _timed(fn, repeats: int, min_total_s: float = 2.0, max_repeats: int = 50):
     Short runs are repeated until ``min_total_s`` seconds have been timed (at most
     ``max_repeats`` runs): a best-of-2 of a 0.2 s call is mostly scheduler noise.
     """
-    result = fn()
-    best, total, runs = float("inf"), 0.0, 0
-    while runs < repeats or (total < min_total_s and runs < max_repeats):
-        start = time.perf_counter()
-        result = fn()
-        seconds = time.perf_counter() - start
-        best, total, runs = min(best, seconds), total + seconds, runs + 1
-    return best, result
+    return _timed_interleaved([fn], repeats, min_total_s, max_repeats)[0]
+
+
+def _timed_interleaved(fns, repeats: int, min_total_s: float = 2.0, max_repeats: int = 50):
+    """:func:`_timed` of several calls taking turns (a, b, a, b, ...): a slow spell of a shared
+    machine then falls on both sides of a comparison, not on one. Returns one (best seconds,
+    last result) per call."""
+    results = [fn() for fn in fns]
+    best, total = [float("inf")] * len(fns), [0.0] * len(fns)
+    runs = 0
+    while runs < repeats or (min(total) < min_total_s and runs < max_repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            results[i] = fn()
+            seconds = time.perf_counter() - start
+            best[i], total[i] = min(best[i], seconds), total[i] + seconds
+        runs += 1
+    return list(zip(best, results))
 
 
 def copy_prompt(tokenizer, max_tokens: int | None) -> str:
@@ -113,15 +123,15 @@ def transformers_table(model, hf_model, tokenizer, *, new_tokens: int, repeats: 
                 cache = (HFStaticCache(config=hf_model.config, max_batch_size=batch, max_cache_len=total)
                          if cache_kind == "static" else HFDynamicCache())
                 return hf_model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                                         max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                                         max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                         pad_token_id=tokenizer.pad_token_id)
 
             with torch.no_grad():
                 # Both sides the same way: a generate of one token is the prefill, and decoding
                 # is the rest of a generate of new_tokens.
-                p_ours, _ = _timed(lambda: ours(1), repeats)
-                p_theirs, _ = _timed(lambda: theirs(1), repeats)
-                t_ours, out_ours = _timed(lambda: ours(new_tokens), repeats)
-                t_theirs, out_theirs = _timed(lambda: theirs(new_tokens), repeats)
+                (p_ours, _), (p_theirs, _) = _timed_interleaved([lambda: ours(1), lambda: theirs(1)], repeats)
+                (t_ours, out_ours), (t_theirs, out_theirs) = _timed_interleaved(
+                    [lambda: ours(new_tokens), lambda: theirs(new_tokens)], repeats)
             d_ours = batch * (new_tokens - 1) / max(t_ours - p_ours, 1e-9)
             d_theirs = batch * (new_tokens - 1) / max(t_theirs - p_theirs, 1e-9)
             rows.append(dict(

@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from llm.config import MosaicGPTConfig
+from llm.layers.linear import Linear
 
 
 def _allowed_mask(
@@ -201,8 +202,8 @@ class MultiheadAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.attn_pdrop = config.attn_pdrop
         bias = not config.no_bias
-        self.Wqkv = nn.Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
+        self.Wqkv = Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
+        self.out_proj = Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
 
     def forward(
         self,

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.config import MosaicGPTConfig
+from llm.layers.linear import Linear
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -22,8 +23,8 @@ class MLP(nn.Module):
     def __init__(self, config: MosaicGPTConfig):
         super().__init__()
         bias = not config.no_bias
-        self.up_proj = nn.Linear(config.d_model, config.hidden_size, bias=bias)
-        self.down_proj = nn.Linear(config.hidden_size, config.d_model, bias=bias)
+        self.up_proj = Linear(config.d_model, config.hidden_size, bias=bias)
+        self.down_proj = Linear(config.hidden_size, config.d_model, bias=bias)
         self.act = ACTIVATIONS[config.ffn_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,9 +37,9 @@ class GLU(nn.Module):
     def __init__(self, config: MosaicGPTConfig):
         super().__init__()
         bias = not config.no_bias
-        self.gate_proj = nn.Linear(config.d_model, config.hidden_size, bias=bias)
-        self.up_proj = nn.Linear(config.d_model, config.hidden_size, bias=bias)
-        self.down_proj = nn.Linear(config.hidden_size, config.d_model, bias=bias)
+        self.gate_proj = Linear(config.d_model, config.hidden_size, bias=bias)
+        self.up_proj = Linear(config.d_model, config.hidden_size, bias=bias)
+        self.down_proj = Linear(config.hidden_size, config.d_model, bias=bias)
         self.act = ACTIVATIONS[config.ffn_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

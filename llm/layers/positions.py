@@ -80,11 +80,14 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device)
         inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
         freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None]
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        cos = torch.cat([freqs, freqs], dim=-1)[:, None].cos().to(dtype)
+        sin = freqs[:, None].sin().to(dtype)
+        signed_sin = torch.cat([-sin, sin], dim=-1)
+        half = self.head_dim // 2
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.chunk(2, dim=-1)
-            return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+            # rotate_half(x) * sin = (-x2, x1) * (sin, sin) = roll(x) * (-sin, sin), bitwise:
+            # one roll instead of chunk, neg and cat in every layer
+            return x * cos + x.roll(half, dims=-1) * signed_sin
 
         return rotate

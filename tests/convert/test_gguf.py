@@ -110,9 +110,11 @@ def test_logits_equal_transformers_per_prompt_and_on_left_padded_batch(ours, hf,
     torch.testing.assert_close(real(mask, got), real(mask, ref), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @torch.no_grad()
-def test_logits_equal_transformers_with_cache(ours, hf, batch):
-    """Prefill, then token by token, then a chunk of 3; both sides cached, left-padded batch."""
+def test_logits_equal_transformers_with_cache(ours, hf, batch, threads):
+    """Prefill, then token by token, then a chunk of 3; both sides cached, left-padded batch.
+    With 2 threads our decoding steps split every projection across the threads."""
     from transformers import DynamicCache as HFDynamicCache
 
     ids, mask = batch
