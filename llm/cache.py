@@ -51,10 +51,12 @@ class Cache:
         end = start + key.shape[2]
         if end > self._keys[layer_idx].shape[2]:
             self._grow(layer_idx, end)
-        self._keys[layer_idx][:, :, start:end] = key
-        self._values[layer_idx][:, :, start:end] = value
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        # narrow + copy_ rather than slice assignment: fewer ops in every layer of every step
+        keys.narrow(2, start, end - start).copy_(key)
+        values.narrow(2, start, end - start).copy_(value)
         self._lengths[layer_idx] = end
-        return self._keys[layer_idx][:, :, :end], self._values[layer_idx][:, :, :end]
+        return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions (of ``layer_idx``; all layers agree between forwards)."""

@@ -1,12 +1,14 @@
 """Decoding benchmarks, each mode measured against its peer in the same run (``scripts/bench_generate.py``).
 
-Two tables:
+Two tables, and a third on request (``--linear``):
 
 - speculative decoding: tokens/s of plain greedy, reference decoding (prompt lookup / LLMA)
   and draft-model decoding, on a copy-heavy task (the prompt holds a passage that the answer
   repeats) and on free generation, with a check that every mode's greedy tokens are identical;
 - transformers side by side: the same weights in transformers' ``LlamaForCausalLM`` against
-  ours, prefill and decode tokens/s at batch 1 and 8, dynamic and static caches.
+  ours, prefill and decode tokens/s at batch 1 and 8, dynamic and static caches;
+- projections: the time of all of the pretrained model's linear layers at 1-64 rows, torch's
+  ``F.linear`` against the thread split of :mod:`llm.layers.linear`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from llm.cache import StaticCache
 from llm.convert.registry import load_tokenizer
 from llm.data import load_corpus
 from llm.generation.generate import generate
+from llm.layers.linear import linear
 from llm.model import MosaicGPT
 
 
@@ -144,6 +149,24 @@ def transformers_table(model, hf_model, tokenizer, *, new_tokens: int, repeats: 
     return rows
 
 
+def linear_table(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), repeats: int = 3) -> list[dict]:
+    """Milliseconds for ALL of a model's projections (every linear layer and a tied head) applied
+    to a few rows: ``F.linear`` against :func:`llm.layers.linear.linear`'s thread split, taking turns."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    if model.lm_head is None:
+        weights.append(model.wte.weight)
+    table = []
+    with torch.no_grad():
+        for n in rows:
+            inputs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights}
+            (t_ref, _), (t_split, _) = _timed_interleaved([
+                lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+                lambda: [linear(inputs[w.shape[1]], w) for w in weights],
+            ], repeats, min_total_s=1.0)
+            table.append(dict(rows=n, f_linear_ms=t_ref * 1e3, split_ms=t_split * 1e3, speedup=t_ref / t_split))
+    return table
+
+
 def markdown(rows: list[dict]) -> str:
     """A markdown table of rows of dicts (floats to 2 decimals)."""
     if not rows:
@@ -195,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--skip-transformers", action="store_true", help="skip the side-by-side with transformers")
     p.add_argument("--skip-speculative", action="store_true", help="only the side-by-side with transformers")
+    p.add_argument("--linear", action="store_true",
+                   help="only the pretrained model's projections: F.linear against the thread split")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
@@ -202,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     results = {}
-    if not args.skip_speculative:
+    if args.linear:
+        results["linear"] = linear_table(MosaicGPT.from_pretrained(args.pretrained), repeats=args.repeats)
+        print(f"## Projections of {args.pretrained}, F.linear vs split over "
+              f"{torch.get_num_threads()} threads\n\n{markdown(results['linear'])}\n", flush=True)
+    if not args.skip_speculative and not args.linear:
         model = MosaicGPT.from_pretrained(args.model)
         tokenizer = load_tokenizer(args.model)
         draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
@@ -211,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
         print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
 
-    if args.pretrained != "none":
+    if args.pretrained != "none" and not args.linear:
         model = MosaicGPT.from_pretrained(args.pretrained)
         tokenizer = load_tokenizer(args.pretrained)
         if not args.skip_speculative:

@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Above this many rows MKL's GEMM already uses every thread; the split measured no faster at 128.
+# Above this many rows MKL's GEMM already uses every thread; the split measured no faster at 171.
 MAX_SPLIT_ROWS = 64
+# Up to this many rows the product is computed as W x^T, beyond as x W^T: MKL picks different
+# kernels for the two, and W x^T took 0.7-0.9x the time for 1-6 rows but up to 1.4x for 11-15.
+COLUMN_ROWS = 8
 # Weight elements per thread below which the split loses: the product is then too short to pay
 # for starting the threads (measured on 2 cores: 0.8x for a 256 x 256 weight, 1.2x for 384 x 384).
 MIN_BLOCK_ELEMENTS = 1 << 16
@@ -22,9 +25,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     thread, so a step reads the weights at about half the memory bandwidth that two threads
     get. Here such a product is a batched product over row blocks of the weight (a view:
     nothing is copied), which MKL's batched GEMM spreads over the threads, one block each.
-    Measured on 2 cores with SmolLM2-135M's projections: 1.5-2x faster for 1-4 rows, 1.1-1.3x
-    for 8-64 rows (``scripts/bench_generate.py`` shows the whole-model effect). Each output
-    element is the same dot product; results equal ``F.linear``'s to float32 rounding.
+    Measured on 2 cores over SmolLM2-135M's 150 projections (``scripts/bench_generate.py
+    --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64. Each output element is the
+    same dot product; results equal ``F.linear``'s to float32 rounding.
 
     Only inference takes the split (no gradient wanted for ``weight``): on the CPU, float32,
     at most ``MAX_SPLIT_ROWS`` rows, and at least ``MIN_BLOCK_ELEMENTS`` weight elements per
@@ -47,12 +50,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             most = min(torch.get_num_threads(), weight.numel() // MIN_BLOCK_ELEMENTS)
             blocks = math.gcd(out_features, most) if most > 1 else 1
             if blocks > 1 and weight.is_contiguous():
-                blocked = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)
-                # (blocks, rows, out / blocks); torch.bmm of an expanded x, not torch.matmul's
-                # broadcasting, which costs ~10 us more per call (150 calls in a SmolLM2 step)
-                parts = torch.bmm(x.reshape(1, rows, in_features).expand(blocks, rows, in_features), blocked)
-                out = parts.view(*x.shape[:-1], out_features) if rows == 1 else (
-                    parts.transpose(0, 1).reshape(*x.shape[:-1], out_features))
+                blocked = weight.view(blocks, out_features // blocks, in_features)
+                flat = x.reshape(rows, in_features)
+                if rows <= COLUMN_ROWS:
+                    # out^T = W_block x^T: (blocks, out / blocks, in) @ (in, rows)
+                    parts = torch.bmm(blocked, flat.t().expand(blocks, in_features, rows))
+                    out = parts.view(*x.shape[:-1], out_features) if rows == 1 else (
+                        parts.permute(2, 0, 1).reshape(*x.shape[:-1], out_features))
+                else:
+                    # out = x W_block^T: (rows, in) @ (in, out / blocks), per block
+                    parts = torch.bmm(flat.expand(blocks, rows, in_features), blocked.transpose(1, 2))
+                    out = parts.transpose(0, 1).reshape(*x.shape[:-1], out_features)
                 return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 

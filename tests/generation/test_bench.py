@@ -2,7 +2,10 @@
 
 import time
 
-from llm.generation.bench import _timed, _timed_interleaved
+import pytest
+
+from llm.generation.bench import _timed, _timed_interleaved, linear_table
+from tests.conftest import tiny_model
 
 
 def test_interleaved_calls_take_turns_and_keep_their_own_best_and_result():
@@ -26,3 +29,12 @@ def test_short_calls_repeat_until_the_minimum_time_is_measured():
     calls = []
     best, _ = _timed(lambda: calls.append(time.sleep(0.01)), repeats=1, min_total_s=0.05)
     assert 6 <= len(calls) <= 8 and best >= 0.01
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+def test_linear_table_times_every_projection_at_each_row_count(threads):
+    model = tiny_model("llama", d_model=384, n_heads=6, kv_n_heads=2, tie_word_embeddings=True)
+    table = linear_table(model, rows=(1, 3), repeats=1)
+    assert [row["rows"] for row in table] == [1, 3]
+    assert all(row["f_linear_ms"] > 0 and row["split_ms"] > 0 for row in table)
+    assert all(abs(row["speedup"] - row["f_linear_ms"] / row["split_ms"]) < 1e-9 for row in table)
