@@ -30,19 +30,14 @@ from llm.layers.linear import linear
 from llm.model import MosaicGPT
 
 
-def _timed(fn, repeats: int, min_total_s: float = 2.0, max_repeats: int = 50):
-    """(best seconds over at least ``repeats`` runs after one warm-up, the last result).
-
-    Short runs are repeated until ``min_total_s`` seconds have been timed (at most
-    ``max_repeats`` runs): a best-of-2 of a 0.2 s call is mostly scheduler noise.
-    """
-    return _timed_interleaved([fn], repeats, min_total_s, max_repeats)[0]
-
-
 def _timed_interleaved(fns, repeats: int, min_total_s: float = 2.0, max_repeats: int = 50):
-    """:func:`_timed` of several calls taking turns (a, b, a, b, ...): a slow spell of a shared
-    machine then falls on both sides of a comparison, not on one. Returns one (best seconds,
-    last result) per call."""
+    """Time calls taking turns (a, b, a, b, ...): a slow spell of a shared machine then falls on
+    every side of a comparison, not on one.
+
+    After one warm-up round, rounds run until there have been ``repeats`` and every call has
+    been timed for ``min_total_s`` seconds in all (at most ``max_repeats`` rounds): a best-of-2
+    of a 0.2 s call is mostly scheduler noise. Returns one (best seconds, last result) per call.
+    """
     results = [fn() for fn in fns]
     best, total = [float("inf")] * len(fns), [0.0] * len(fns)
     runs = 0
@@ -91,10 +86,13 @@ def speculative_table(model, tokenizer, draft, *, chat: bool, new_tokens: int, r
         modes = {"greedy": {}, "lookup": dict(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=3)}
         if draft is not None:
             modes["draft"] = dict(assistant_model=draft, num_assistant_tokens=draft_tokens)
+        # the modes take turns, so that a slow spell of the machine does not fall on one of them
+        timed = _timed_interleaved([
+            lambda extra=extra: generate(model, ids, max_new_tokens=new_tokens, return_dict_in_generate=True, **extra)
+            for extra in modes.values()
+        ], repeats)
         reference = None
-        for mode, extra in modes.items():
-            seconds, out = _timed(lambda: generate(model, ids, max_new_tokens=new_tokens, return_dict_in_generate=True,
-                                                   **extra), repeats)
+        for mode, (seconds, out) in zip(modes, timed):
             new = out.sequences[0, ids.shape[1]:]
             if reference is None:
                 reference, base = new, seconds

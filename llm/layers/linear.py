@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Above this many rows MKL's GEMM already uses every thread; the split measured no faster at 171.
+# Above this many rows MKL's own GEMM uses every thread: the split measured within 15% of it at 128-512.
 MAX_SPLIT_ROWS = 64
 # Up to this many rows the product is computed as W x^T, beyond as x W^T: MKL picks different
 # kernels for the two, and W x^T took 0.7-0.9x the time for 1-6 rows but up to 1.4x for 11-15.
@@ -16,6 +16,8 @@ COLUMN_ROWS = 8
 # Weight elements per thread below which the split loses: the product is then too short to pay
 # for starting the threads (measured on 2 cores: 0.8x for a 256 x 256 weight, 1.2x for 384 x 384).
 MIN_BLOCK_ELEMENTS = 1 << 16
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,10 +31,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64. Each output element is the
     same dot product; results equal ``F.linear``'s to float32 rounding.
 
-    Only inference takes the split (no gradient wanted for ``weight``): on the CPU, float32,
-    at most ``MAX_SPLIT_ROWS`` rows, and at least ``MIN_BLOCK_ELEMENTS`` weight elements per
-    block, the block count being the largest divisor of ``out_features`` that is at most the
-    thread count; everything else is ``F.linear``.
+    Only inference takes the split (autograd not recording ``x`` or ``weight``, no autocast): on
+    the CPU, float32, a plain contiguous weight, at most ``MAX_SPLIT_ROWS`` rows, and at least
+    ``MIN_BLOCK_ELEMENTS`` weight elements per block, the block count being the largest divisor
+    of ``out_features`` that is at most the thread count; everything else is ``F.linear``.
 
     Args:
         x: (..., in_features).
@@ -42,14 +44,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         (..., out_features), x's dtype.
     """
-    if x.is_cpu and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.shape[-1]:
+    # anything F.linear would reject or treat specially (autocast, sparse x, mismatched shapes
+    # or dtypes) goes to F.linear, so that it behaves and fails exactly as F.linear does
+    if (
+        x.is_cpu and x.layout == torch.strided and x.dtype == torch.float32 and weight.dtype == torch.float32
+        and x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1] and x.shape[-1]
+        and (bias is None or (bias.dim() == 1 and bias.dtype == torch.float32))
+        and not torch.is_autocast_enabled("cpu")
+    ):
         in_features = x.shape[-1]
         rows = x.numel() // in_features
-        if 0 < rows <= MAX_SPLIT_ROWS and not (weight.requires_grad and torch.is_grad_enabled()):
+        if 0 < rows <= MAX_SPLIT_ROWS and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
             out_features = weight.shape[0]
             most = min(torch.get_num_threads(), weight.numel() // MIN_BLOCK_ELEMENTS)
             blocks = math.gcd(out_features, most) if most > 1 else 1
-            if blocks > 1 and weight.is_contiguous():
+            # plain tensors only: a tensor subclass (a sharded DTensor, a quantized weight) may
+            # not view as blocks the way its values are laid out
+            if blocks > 1 and type(weight) in _PLAIN and weight.is_contiguous():
                 blocked = weight.view(blocks, out_features // blocks, in_features)
                 flat = x.reshape(rows, in_features)
                 if rows <= COLUMN_ROWS:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from llm.generation.bench import _timed, _timed_interleaved, linear_table
+from llm.generation.bench import _timed_interleaved, linear_table
 from tests.conftest import tiny_model
 
 
@@ -27,7 +27,7 @@ def test_interleaved_calls_take_turns_and_keep_their_own_best_and_result():
 
 def test_short_calls_repeat_until_the_minimum_time_is_measured():
     calls = []
-    best, _ = _timed(lambda: calls.append(time.sleep(0.01)), repeats=1, min_total_s=0.05)
+    [(best, _)] = _timed_interleaved([lambda: calls.append(time.sleep(0.01))], repeats=1, min_total_s=0.05)
     assert 6 <= len(calls) <= 8 and best >= 0.01
 
 

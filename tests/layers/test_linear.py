@@ -43,10 +43,15 @@ def test_split_equals_f_linear(threads, lead, bias, f_linear_calls):
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-4)
 
 
+class Subclass(torch.Tensor):
+    """Stands for a tensor subclass (DTensor, quantized weights) whose layout a view may not show."""
+
+
 @pytest.mark.parametrize("threads", [2], indirect=True)
 @pytest.mark.parametrize(
     "case",
-    ["too many rows", "small weight", "odd out_features", "gradient wanted", "float64", "transposed weight"],
+    ["too many rows", "small weight", "odd out_features", "gradient wanted", "input gradient wanted", "float64",
+     "transposed weight", "tensor subclass", "sparse input", "autocast"],
 )
 def test_everything_else_is_f_linear(threads, case, f_linear_calls):
     torch.manual_seed(0)
@@ -62,15 +67,45 @@ def test_everything_else_is_f_linear(threads, case, f_linear_calls):
     weight = torch.randn(out_features, in_features, dtype=dtype)
     if case == "transposed weight":
         weight = torch.randn(in_features, out_features).t()
+    elif case == "tensor subclass":
+        weight = weight.as_subclass(Subclass)
     x = torch.randn(rows, in_features, dtype=dtype)
     if case == "gradient wanted":
         weight.requires_grad_(True)
         linear(x, weight).sum().backward()
         torch.testing.assert_close(weight.grad, x.sum(0).expand(out_features, -1))
+    elif case == "input gradient wanted":  # frozen weights, e.g. training adapters
+        x.requires_grad_(True)
+        linear(x, weight).sum().backward()
+        torch.testing.assert_close(x.grad, weight.sum(0).expand(rows, -1), rtol=1e-5, atol=1e-4)
+    elif case == "sparse input":
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x.to_sparse(), weight), x @ weight.t(), rtol=1e-5, atol=1e-4)
+    elif case == "autocast":  # the same dtype as F.linear's (bfloat16), whatever the thread count
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert linear(x, weight, torch.zeros(out_features)).dtype == torch.bfloat16
     else:
         with torch.no_grad():
             torch.testing.assert_close(linear(x, weight), x @ weight.t())
     assert len(f_linear_calls) == 1
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("case", ["float64 bias", "bias of the wrong shape", "x of the wrong width"])
+@torch.no_grad()
+def test_what_f_linear_rejects_is_rejected_as_f_linear_does(threads, case):
+    weight, bias, x = torch.randn(768, 384), torch.randn(768), torch.randn(3, 384)
+    if case == "float64 bias":
+        bias = bias.double()
+    elif case == "bias of the wrong shape":
+        bias = torch.randn(4, 1, 768)
+    else:
+        x = torch.randn(3, 383)
+    with pytest.raises(RuntimeError) as ours:
+        linear(x, weight, bias)
+    with pytest.raises(RuntimeError) as theirs:
+        F.linear(x, weight, bias)
+    assert str(ours.value) == str(theirs.value)
 
 
 def test_linear_module_is_an_nn_linear_with_its_state_dict():
