@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.convert.registry import load_tokenizer
+from llm.convert.registry import generation_defaults, load_tokenizer
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TEMPERATURE = 0.8
 
 
 def _positive_int(text: str) -> int:
@@ -37,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", type=Path, help="file holding the --system prefix's KV cache (made if absent)")
     p.add_argument("--batch-size", type=_positive_int, default=8)
     p.add_argument("--max-new-tokens", type=_positive_int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--temperature", type=float,
+                   help=f"0 for greedy decoding (default: the registered model's recommended setting, "
+                        f"else {DEFAULT_TEMPERATURE})")
     p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-p", type=float, help="(default: the registered model's recommended setting, else none)")
     p.add_argument("--min-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
@@ -140,9 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype)
         if args.chat and not tokenizer.chat_template:
             parser.error(f"--chat: the tokenizer of {args.model} has no chat template")
+        # the user's flags, else the registered model's recommended sampling, else ours
+        sampling = {"temperature": DEFAULT_TEMPERATURE, **generation_defaults(args.model)}
+        sampling.update({k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")
+                         if getattr(args, k) is not None})
         options = dict(
-            max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            max_new_tokens=args.max_new_tokens, do_sample=sampling["temperature"] > 0,
+            temperature=sampling["temperature"], top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
+            min_p=sampling.get("min_p"), repetition_penalty=args.repetition_penalty,
             seed=args.seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
             stop_strings=args.stop, tokenizer=tokenizer if args.stop else None, return_dict_in_generate=True,
         )

@@ -93,3 +93,32 @@ def test_missing_model_exits_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(tmp_path / "nope"), "--prompt", "a"])
     assert exit_info.value.code == 2 and "config.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], dict(temperature=0.3, top_p=0.5, top_k=None)),  # the model's recommendation
+    (["--temperature", "0", "--top-k", "4"], dict(temperature=0.0, top_p=0.5, top_k=4, do_sample=False)),
+])
+def test_sampling_defaults_come_from_the_registered_model_unless_flags_say_otherwise(
+        bundle, capsys, monkeypatch, flags, expected):
+    import llm.generation.cli as cli
+
+    path, _, _ = bundle
+    seen = {}
+    real = cli.generate
+
+    def spy(model, ids, **options):
+        seen.update(options)
+        return real(model, ids, **options)
+
+    monkeypatch.setattr(cli, "generation_defaults", lambda name: {"temperature": 0.3, "top_p": 0.5})
+    monkeypatch.setattr(cli, "generate", spy)
+    run(capsys, "--model", path, "--prompt", "the cat", "--max-new-tokens", 3, *flags)
+    assert {k: seen[k] for k in expected} == expected
+
+
+def test_registered_models_recommended_sampling():
+    from llm.convert.registry import generation_defaults
+
+    assert generation_defaults("smollm2-135m-instruct") == {"temperature": 0.2, "top_p": 0.9}
+    assert generation_defaults("runs/no-such-model") == {}
