@@ -26,10 +26,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     MKL runs a float32 product of a few rows (a decoding step: batch x new tokens) on one
     thread, so a step reads the weights at about half the memory bandwidth that two threads
     get. Here such a product is a batched product over row blocks of the weight (a view:
-    nothing is copied), which MKL's batched GEMM spreads over the threads, one block each.
-    Measured on 2 cores over SmolLM2-135M's 150 projections (``scripts/bench_generate.py
-    --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64. Each output element is the
-    same dot product; results equal ``F.linear``'s to float32 rounding.
+    nothing is copied), which MKL's batched GEMM spreads over the threads, one block each: the
+    output-row partitioning that llama.cpp's ggml gives its threads in matrix-vector products.
+    Measured on 2 cores over SmolLM2-135M's 151 projections, tied head included
+    (``scripts/bench_generate.py --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64.
+    Each output element is the same dot product; results equal ``F.linear``'s to float32
+    rounding.
 
     Only inference takes the split (autograd not recording ``x`` or ``weight``, no autocast): on
     the CPU, float32, a plain contiguous weight, at most ``MAX_SPLIT_ROWS`` rows, and at least
