@@ -204,6 +204,34 @@ def hf_llama(model):
     return hf.eval()
 
 
+def _decoding_tables(args) -> dict:
+    """The speculative-decoding tables and the side-by-side with transformers, as ``args`` asks."""
+    results = {}
+    if not args.skip_speculative:
+        model = MosaicGPT.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
+        draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
+        results["shakespeare"] = speculative_table(
+            model, tokenizer, draft, chat=False, new_tokens=args.new_tokens, repeats=args.repeats,
+            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+        print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
+    if args.pretrained == "none":
+        return results
+    model = MosaicGPT.from_pretrained(args.pretrained)
+    tokenizer = load_tokenizer(args.pretrained)
+    if not args.skip_speculative:
+        results["pretrained"] = speculative_table(
+            model, tokenizer, None, chat=True, new_tokens=args.new_tokens, repeats=args.repeats,
+            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
+        print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
+    if not args.skip_transformers:
+        results["transformers"] = transformers_table(model, hf_llama(model), tokenizer, new_tokens=64,
+                                                     repeats=args.repeats)
+        print(f"## Ours vs transformers, {args.pretrained}, fp32\n\n{markdown(results['transformers'])}\n",
+              flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; prints markdown tables and optionally writes JSON."""
     p = argparse.ArgumentParser(prog="scripts/bench_generate.py", description=__doc__.splitlines()[0])
@@ -224,34 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    results = {}
     if args.linear:
-        results["linear"] = linear_table(MosaicGPT.from_pretrained(args.pretrained), repeats=args.repeats)
+        results = {"linear": linear_table(MosaicGPT.from_pretrained(args.pretrained), repeats=args.repeats)}
         print(f"## Projections of {args.pretrained}, F.linear vs split over "
               f"{torch.get_num_threads()} threads\n\n{markdown(results['linear'])}\n", flush=True)
-    if not args.skip_speculative and not args.linear:
-        model = MosaicGPT.from_pretrained(args.model)
-        tokenizer = load_tokenizer(args.model)
-        draft = MosaicGPT.from_pretrained(args.draft_model) if Path(args.draft_model).is_dir() else None
-        results["shakespeare"] = speculative_table(
-            model, tokenizer, draft, chat=False, new_tokens=args.new_tokens, repeats=args.repeats,
-            lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
-        print(f"## Speculative decoding, {args.model}\n\n{markdown(results['shakespeare'])}\n", flush=True)
-
-    if args.pretrained != "none" and not args.linear:
-        model = MosaicGPT.from_pretrained(args.pretrained)
-        tokenizer = load_tokenizer(args.pretrained)
-        if not args.skip_speculative:
-            results["pretrained"] = speculative_table(
-                model, tokenizer, None, chat=True, new_tokens=args.new_tokens, repeats=args.repeats,
-                lookup_tokens=args.lookup_tokens, draft_tokens=args.draft_tokens)
-            print(f"## Speculative decoding, {args.pretrained}\n\n{markdown(results['pretrained'])}\n", flush=True)
-        if not args.skip_transformers:
-            hf_model = hf_llama(model)
-            results["transformers"] = transformers_table(model, hf_model, tokenizer, new_tokens=64,
-                                                         repeats=args.repeats)
-            print(f"## Ours vs transformers, {args.pretrained}, fp32\n\n{markdown(results['transformers'])}\n",
-                  flush=True)
+    else:
+        results = _decoding_tables(args)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

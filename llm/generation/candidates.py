@@ -148,5 +148,6 @@ class DraftSchedule:
         old = self.step_s.get(kind)
         self.step_s[kind] = seconds if old is None else 0.7 * old + 0.3 * seconds
         if proposed:
-            self.draft_len = min(self.num_tokens, self.draft_len + 2) if accepted == proposed else max(1, self.draft_len - 1)
+            longer, shorter = min(self.num_tokens, self.draft_len + 2), max(1, self.draft_len - 1)
+            self.draft_len = longer if accepted == proposed else shorter
             self.gain = 0.5 * self.gain + 0.5 * accepted

@@ -32,7 +32,8 @@ class GenerateOutput:
             input_ids, (batch, new) with inputs_embeds.
         past_key_values: the cache after decoding (it holds all but the last new token).
         stats: ``prefill_tokens`` and ``new_tokens`` (real tokens: no padding, no pad tokens of
-            finished rows), ``forward_passes`` (of the model, prefill included), ``proposed_tokens`` and ``accepted_tokens`` (draft tokens, any proposer),
+            finished rows), ``forward_passes`` (of the model, prefill included),
+            ``proposed_tokens`` and ``accepted_tokens`` (draft tokens, any proposer),
             ``draft_forward_passes``, ``prefill_s`` and ``decode_s`` (seconds),
             ``prefill_tokens_per_s`` and ``decode_tokens_per_s`` (decode: tokens after the first).
     """
