@@ -2,7 +2,7 @@
 or ``python scripts/eval.py CONFIG.yaml --model DIR_OR_NAME [key=value ...]``.
 
 Prints nats/token, perplexity and bits/byte per split and writes them as JSON; all the work is
-in :func:`llm.evaluate.main` (see :mod:`llm.evaluate` for the options). On CPU it uses one
+in :func:`llm.train.evaluate.main` (see :mod:`llm.train.evaluate` for the options). On CPU it uses one
 thread unless OMP_NUM_THREADS says otherwise (small models run faster on one uncontended thread).
 """
 
@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from llm.evaluate import main
+from llm.train.evaluate import main
 
 if __name__ == "__main__":
     # Small CPU models run faster on one thread than on two contended ones; GPU runs are unaffected.

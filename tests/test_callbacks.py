@@ -9,9 +9,9 @@ from composer.loggers import InMemoryLogger
 from omegaconf import OmegaConf
 from PIL import Image
 
-from llm.callbacks import CONFIG_YAML, CURVES_JSON, CURVES_PNG, ConfigSaver, CurvePlotter
+from llm.train.callbacks import CONFIG_YAML, CURVES_JSON, CURVES_PNG, ConfigSaver, CurvePlotter
 import llm.train
-from llm.train import build_trainer, prepare_tokenizer, resolve_config
+from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config
 from tests.train_helpers import extra_callbacks, make_tiny_plays, tiny_config
 
 torch.set_num_threads(1)

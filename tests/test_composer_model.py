@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.composer_model import ComposerMosaicGPT, shift_labels
+from llm.train.composer_model import ComposerMosaicGPT, shift_labels
 
 VOCAB = 61
 

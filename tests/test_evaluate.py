@@ -1,4 +1,4 @@
-"""llm.evaluate: a checkpoint, its exported bundle and the training run agree on held-out figures."""
+"""llm.train.evaluate: a checkpoint, its exported bundle and the training run agree on held-out figures."""
 
 import json
 import subprocess
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llm.data import load_corpus, tokenize_corpus, train_bpe_tokenizer
-from llm.evaluate import block_texts, evaluate, format_table, spread_indices
-from llm.train import train
+from llm.train.evaluate import block_texts, evaluate, format_table, spread_indices
+from llm.train.trainer import train
 from tests.train_helpers import make_tiny_plays, tiny_config
 
 torch.set_num_threads(1)

@@ -1,10 +1,10 @@
-"""llm.evaluate on the registered pretrained SmolLM2 model, with its own tokenizer (a small subset)."""
+"""llm.train.evaluate on the registered pretrained SmolLM2 model, with its own tokenizer (a small subset)."""
 
 import pytest
 import torch
 
 from llm.convert.registry import PRETRAINED, REPO_ROOT
-from llm.evaluate import evaluate
+from llm.train.evaluate import evaluate
 
 torch.set_num_threads(1)
 NAME = "smollm2-135m-instruct"

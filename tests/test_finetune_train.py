@@ -11,10 +11,10 @@ from composer.optim import DecoupledAdamW
 from llm.data import load_tokenizer
 from llm.data.cues import cue_pairs, make_cue_dataset, write_jsonl
 from llm.data.finetune import IGNORE_INDEX, load_jsonl
-from llm.evaluate import evaluate
+from llm.train.evaluate import evaluate
 from llm.model import MosaicGPT
-from llm.train import train
-from llm.train_support import build_dataloader, heldout_tokens_per_byte, load_pretrained
+from llm.train.trainer import train
+from llm.train.builders import build_dataloader, heldout_tokens_per_byte, load_pretrained
 from tests.train_helpers import make_tiny_plays, tiny_config
 
 torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
     after = float(trainer.state.eval_metrics["replies"]["LanguageCrossEntropy"].compute())
     assert after < before - 0.1, (before, after)
 
-    # llm.evaluate scores the same replies, for the checkpoint (a load_pretrained config) and the bundle.
+    # llm.train.evaluate scores the same replies, for the checkpoint (a load_pretrained config) and the bundle.
     cfg = {"load_pretrained": setup["bundle"], "eval_loader": _loader_cfg(setup["root"] / "validation.jsonl", False),
            "device_eval_batch_size": 16}
     tuned = evaluate(cfg, load_path=str(tmp_path / "ep0-ba25-rank0.pt"), output=tmp_path / "tuned.json")

@@ -2,7 +2,7 @@
 
 Composer 0.32.1 wraps FSDP with ``device_id=torch.cuda.current_device()``, so a Composer FSDP run
 needs GPUs. What does not: two gloo processes wrap the model the way Composer does (a
-``CustomPolicy`` over the ``_fsdp_wrap`` marks of :func:`llm.train_support.mark_fsdp_units`,
+``CustomPolicy`` over the ``_fsdp_wrap`` marks of :func:`llm.train.builders.mark_fsdp_units`,
 activation checkpointing where ``_activation_checkpointing`` is set) with the config's sharding
 strategy, and one sharded SGD step on half a batch each must equal one unsharded step on the
 whole batch.
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from llm import MosaicGPTConfig
-from llm.composer_model import ComposerMosaicGPT
-from llm.train_support import mark_fsdp_units
+from llm.train.composer_model import ComposerMosaicGPT
+from llm.train.builders import mark_fsdp_units
 
 REPO = Path(__file__).resolve().parents[1]
 FSDP_CFG = OmegaConf.to_container(OmegaConf.load(REPO / "configs/shakespeare-fsdp.yaml").parallelism_config.fsdp)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from composer.core import Callback
 
-from llm.train import build_trainer, prepare_tokenizer, resolve_config
+from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config
 from tests.train_helpers import extra_callbacks, make_tiny_plays, tiny_config
 
 torch.set_num_threads(1)
@@ -61,10 +61,10 @@ def _padded_batch_grads(microbatch, on_tokens):
     from composer.optim import DecoupledAdamW
     from composer.utils import reproducibility
 
-    from llm.composer_model import ComposerMosaicGPT
+    from llm.train.composer_model import ComposerMosaicGPT
     from llm.config import MosaicGPTConfig
     from llm.data import build_char_tokenizer, load_corpus
-    from llm.train_support import build_dataloader, token_counting_data_spec
+    from llm.train.builders import build_dataloader, token_counting_data_spec
 
     tokenizer = build_char_tokenizer(load_corpus("validation"))
     loader = build_dataloader({"dataset": {"kind": "finetune", "path": str(CUES)}, "shuffle": False, "drop_last": True},

@@ -14,17 +14,17 @@ from composer.core import Timestamp
 from composer.utils.file_helpers import ensure_folder_has_no_conflicting_files
 from safetensors.torch import load_file
 
-from llm import checkpointing
-from llm.checkpointing import (
+from llm.train import checkpointing
+from llm.train.checkpointing import (
     check_checkpoint,
     install_atomic_checkpoint_writes,
     is_complete_checkpoint,
     repair_latest_checkpoint,
 )
-from llm.composer_model import ComposerMosaicGPT
+from llm.train.composer_model import ComposerMosaicGPT
 from llm.config import MosaicGPTConfig
 from llm.data import load_tokenizer
-from llm.train import CHECKPOINT_FILENAME, train
+from llm.train.trainer import CHECKPOINT_FILENAME, train
 from tests.train_helpers import BatchRecorder, extra_callbacks, make_tiny_plays, read_record, tiny_config
 
 torch.set_num_threads(1)

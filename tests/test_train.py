@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from llm import MosaicGPT
 from llm.data import load_tokenizer
-from llm.train import build_trainer, prepare_tokenizer, resolve_config, train
+from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config, train
 from tests.train_helpers import tiny_config
 
 
@@ -122,6 +122,6 @@ def test_missing_key_and_bad_sections_raise(tiny_cfg, tmp_path):
                                   "configs/shakespeare-alibi.yaml", "configs/finetune-shakespeare.yaml",
                                   "configs/shakespeare-fsdp.yaml"])
 def test_shipped_configs_are_valid(path):
-    from llm.train import validate_config
+    from llm.train.trainer import validate_config
 
     validate_config(OmegaConf.load(Path(__file__).parents[1] / path))

@@ -117,7 +117,7 @@ def extra_callbacks(*callbacks: Callback, loggers=()):
     import llm.train
     from composer.utils import ensure_tuple
 
-    original = llm.train.Trainer
+    original = llm.train.trainer.Trainer
 
     def trainer(*args, **kwargs):
         own = list(ensure_tuple(kwargs.get("callbacks")))
@@ -125,16 +125,16 @@ def extra_callbacks(*callbacks: Callback, loggers=()):
         kwargs["loggers"] = [*ensure_tuple(kwargs.get("loggers")), *loggers]
         return original(*args, **kwargs)
 
-    llm.train.Trainer = trainer
+    llm.train.trainer.Trainer = trainer
     try:
         yield
     finally:
-        llm.train.Trainer = original
+        llm.train.trainer.Trainer = original
 
 
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    from llm.train import train
+    from llm.train.trainer import train
 
     cfg = json.loads(Path(argv[0]).read_text())
     callbacks = []

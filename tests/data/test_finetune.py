@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 
-from llm.composer_model import ComposerMosaicGPT
+from llm.train.composer_model import ComposerMosaicGPT
 from llm.data import build_char_tokenizer
 from llm.data.finetune import IGNORE_INDEX, FinetuneDataset, PaddingCollator, load_jsonl
 from tests.conftest import tiny_model

@@ -30,8 +30,8 @@ The config (an omegaconf ``DictConfig`` or a plain mapping) has these top-level 
   tokenizer (``tokenizer/``, reused when the run is resumed), and after training the inference
   bundle (``model/``, for :meth:`MosaicGPT.from_pretrained` and :func:`llm.data.load_tokenizer`)
   and ``metrics.json``; ``config.yaml`` (the resolved config) and ``curves.png`` / ``curves.json``
-  (loss and eval curves, see :mod:`llm.callbacks`). Checkpoints are written atomically and
-  checked before loading (see :mod:`llm.checkpointing`).
+  (loss and eval curves, see :mod:`llm.train.callbacks`). Checkpoints are written atomically and
+  checked before loading (see :mod:`llm.train.checkpointing`).
 * ``num_samples``, ``sample_prompts``, ``sample_max_new_tokens``, ``sample_temperature``
   (0 is greedy), ``sample_top_k``: the samples printed after training.
 """
@@ -57,14 +57,14 @@ from composer.utils import dist, get_device, reproducibility
 from omegaconf import DictConfig, OmegaConf
 from transformers import PreTrainedTokenizerFast
 
-from llm.callbacks import ConfigSaver, CurvePlotter
-from llm.checkpointing import check_checkpoint, install_atomic_checkpoint_writes, repair_latest_checkpoint
-from llm.composer_model import ComposerMosaicGPT
+from llm.train.callbacks import ConfigSaver, CurvePlotter
+from llm.train.checkpointing import check_checkpoint, install_atomic_checkpoint_writes, repair_latest_checkpoint
+from llm.train.composer_model import ComposerMosaicGPT
 from llm.config import MosaicGPTConfig
 from llm.convert.registry import load_tokenizer as load_pretrained_tokenizer
 from llm.data import build_tokenizer, load_corpus, load_tokenizer, save_tokenizer
 from llm.model import MosaicGPT
-from llm.train_support import (
+from llm.train.builders import (
     build_dataloader,
     device_batch_size,
     heldout_tokens_per_byte,
@@ -233,7 +233,7 @@ def resolve_config(cfg: Mapping | DictConfig) -> dict[str, Any]:
 def build_trainer(cfg: Mapping[str, Any], tokenizer: PreTrainedTokenizerFast) -> Trainer:
     """Composer's ``Trainer`` for a :func:`resolve_config` config, with a new seeded model.
 
-    ``trainer.state.model`` is the :class:`~llm.composer_model.ComposerMosaicGPT` (one process,
+    ``trainer.state.model`` is the :class:`~llm.train.composer_model.ComposerMosaicGPT` (one process,
     so not wrapped). Loads ``load_path`` (or, with ``autoresume``, the newest checkpoint in
     ``save_folder``), so ``trainer.state.timestamp`` is where training resumes.
 

@@ -109,7 +109,7 @@ def _finetune_evaluator(loader_cfg, tokenizer, max_seq_len: int, batch_size: int
     Tokens per byte count each scored response token and eos over the responses' bytes.
     """
     from llm.data.finetune import IGNORE_INDEX, load_jsonl
-    from llm.train_support import build_dataloader
+    from llm.train.builders import build_dataloader
 
     loader_cfg = {**loader_cfg, "shuffle": False, "drop_last": False}
     loader = build_dataloader(loader_cfg, tokenizer, max_seq_len, batch_size)
@@ -130,15 +130,15 @@ def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model
 
     With ``model`` (a bundle directory, .gguf file or registered name) the weights are loaded
     here; with ``load_path`` the model is built from ``cfg["model"]`` with the run's tokenizer and
-    the checkpoint is checked (:func:`llm.checkpointing.check_checkpoint`); Composer loads it.
+    the checkpoint is checked (:func:`llm.train.checkpointing.check_checkpoint`); Composer loads it.
 
     Raises:
         ValueError: if both or neither of ``load_path`` and ``model`` are given, or the checkpoint
             does not fit (naming the file and tensors).
         FileNotFoundError: for a missing model, checkpoint or run tokenizer.
     """
-    from llm.checkpointing import check_checkpoint
-    from llm.composer_model import ComposerMosaicGPT
+    from llm.train.checkpointing import check_checkpoint
+    from llm.train.composer_model import ComposerMosaicGPT
     from llm.config import MosaicGPTConfig
     from llm.convert.registry import load_tokenizer
     from llm.model import MosaicGPT
@@ -150,7 +150,7 @@ def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model
         composer_model = ComposerMosaicGPT(MosaicGPT.from_pretrained(model))
         return composer_model, tokenizer, {"model": str(model)}
     if cfg.get("load_pretrained"):  # a fine-tuning run: its model and tokenizer are the pretrained ones
-        from llm.train_support import load_pretrained
+        from llm.train.builders import load_pretrained
 
         composer_model, tokenizer = load_pretrained(cfg["load_pretrained"])
         check_checkpoint(load_path, composer_model)
@@ -204,7 +204,7 @@ def evaluate(
     from composer.utils import dist
 
     from llm.data import build_text_dataloader, load_corpus, tokens_per_byte
-    from llm.train_support import dataset_kind
+    from llm.train.builders import dataset_kind
 
     started = time.perf_counter()
     cfg = _to_dict(cfg)

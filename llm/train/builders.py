@@ -76,7 +76,7 @@ def load_pretrained(name_or_path: str | os.PathLike):
     Raises:
         FileNotFoundError, ValueError: see :meth:`llm.model.MosaicGPT.from_pretrained`.
     """
-    from llm.composer_model import ComposerMosaicGPT
+    from llm.train.composer_model import ComposerMosaicGPT
     from llm.convert.registry import load_tokenizer
     from llm.model import MosaicGPT
 
@@ -151,7 +151,7 @@ def token_counting_data_spec(dataloader: DataLoader):
     """
     from composer.core import DataSpec
 
-    from llm.composer_model import IGNORE_INDEX, shift_labels
+    from llm.train.composer_model import IGNORE_INDEX, shift_labels
 
     def num_tokens(batch) -> dict[str, int]:
         return {"total": int(batch["input_ids"].numel()),
