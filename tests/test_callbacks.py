@@ -11,27 +11,27 @@ from PIL import Image
 
 from llm.train.callbacks import CONFIG_YAML, CURVES_JSON, CURVES_PNG, ConfigSaver, CurvePlotter
 import llm.train
-from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config
-from tests.train_helpers import extra_callbacks, make_tiny_plays, tiny_config
+from llm.train.builders import run_data
+from llm.train.trainer import build_trainer, resolve_config
+from tests.train_helpers import extra_callbacks, tiny_config
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("callbacks")
-    plays = make_tiny_plays(root / "plays")
-    cfg = resolve_config(tiny_config(plays, root / "run", max_duration="6ba", eval_interval="3ba", save_interval="3ba"))
-    tokenizer = prepare_tokenizer(cfg["tokenizer"], root / "tokenizer", plays_dir=plays)
-    return cfg, tokenizer
+    cfg = resolve_config(tiny_config(tiny_data, root / "run", max_duration="6ba", eval_interval="3ba", save_interval="3ba"))
+    return cfg, run_data(cfg)
 
 
 def _fit(cfg, tokenizer):
     folder = Path(cfg["save_folder"])
     logger = InMemoryLogger()
     with extra_callbacks(CurvePlotter(folder), ConfigSaver(cfg, folder), loggers=[logger]):
-        trainer = build_trainer(cfg, tokenizer)
+        trainer, _ = build_trainer(cfg, tokenizer)
     trainer.fit()
+    trainer.close()
     return logger, json.loads((folder / CURVES_JSON).read_text())
 
 
@@ -46,11 +46,11 @@ def test_curves_match_composer_logs_and_are_plotted(setup):
     assert curves["train"][-1][1] < curves["train"][0][1]
     # The learning rate each batch used: Composer's linear warmup (t_warmup 2ba) starts at 0.
     assert [row[2] for row in curves["train"][:3]] == pytest.approx([0.0, 0.5e-2, 1e-2])
-    eval_ce = curves["eval"]["eval"]["LanguageCrossEntropy"]
+    eval_ce = curves["eval"]["validation"]["LanguageCrossEntropy"]
     assert [batch for batch, _ in eval_ce] == [3, 6]
-    logged_ce = [float(v) for _, v in logger.data["metrics/eval/LanguageCrossEntropy"]]
+    logged_ce = [float(v) for _, v in logger.data["metrics/validation/LanguageCrossEntropy"]]
     assert [value for _, value in eval_ce] == pytest.approx(logged_ce, rel=1e-6)
-    assert "LanguagePerplexity" in curves["eval"]["eval"]
+    assert "LanguagePerplexity" in curves["eval"]["validation"]
 
     with Image.open(folder / CURVES_PNG) as image:
         assert image.format == "PNG" and image.size == (800, 600)
@@ -64,7 +64,7 @@ def test_resumed_run_keeps_the_whole_curve(setup, tmp_path):
     _, resumed = _fit(resumed_cfg, tokenizer)
     assert [row[0] for row in resumed["train"]] == [1, 2, 3, 4, 5, 6]
     assert [row[1] for row in resumed["train"]] == pytest.approx([row[1] for row in full["train"]], abs=1e-6)
-    resumed_ce, full_ce = (dict(run["eval"]["eval"]["LanguageCrossEntropy"]) for run in (resumed, full))
+    resumed_ce, full_ce = (dict(run["eval"]["validation"]["LanguageCrossEntropy"]) for run in (resumed, full))
     assert list(resumed_ce) == list(full_ce) == [3, 6]
     assert list(resumed_ce.values()) == pytest.approx(list(full_ce.values()), abs=1e-6)
 
@@ -77,6 +77,6 @@ def test_train_writes_curves_and_config(setup, tmp_path):
     curves = json.loads((folder / CURVES_JSON).read_text())
     assert [row[0] for row in curves["train"]] == list(range(1, result["batches"] + 1))
     # The final held-out evaluation is plotted too, at the last batch.
-    assert curves["eval"]["heldout"]["LanguageCrossEntropy"] == [[6, pytest.approx(result["heldout_nats_per_token"])]]
+    assert curves["eval"]["heldout/validation"]["LanguageCrossEntropy"] == [[6, pytest.approx(result["heldout_nats_per_token"])]]
     assert (folder / CURVES_PNG).stat().st_size > 10_000
     assert OmegaConf.to_container(OmegaConf.load(folder / CONFIG_YAML)) == llm.train.resolve_config(cfg)

@@ -1,5 +1,6 @@
-"""Data-parallel training on CPU: ``composer -n 2`` (gloo) gives each rank its own half of every batch,
-and the loss curve and weights match one process with the same global batch size.
+"""Data-parallel training on CPU: ``composer -n 2`` (gloo) gives each rank its own half of every batch
+(Streaming partitions the samples: disjoint between ranks, together the one-process batch), and the
+loss curve and weights match one process with the same global batch size.
 
 Both runs go through :func:`llm.train.train`; its held-out figures and exports are compared too.
 """
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import llm.train
-from tests.train_helpers import BatchRecorder, extra_callbacks, make_tiny_plays, read_record, tiny_config
+from tests.train_helpers import BatchRecorder, extra_callbacks, read_record, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -23,9 +24,8 @@ COMPOSER = Path(sys.executable).with_name("composer")
 
 
 @pytest.mark.skipif(not COMPOSER.is_file(), reason="needs Composer's launcher next to the Python interpreter")
-def test_two_processes_match_one(tmp_path):
-    plays = make_tiny_plays(tmp_path / "plays")
-    single = tiny_config(plays, tmp_path / "single", global_train_batch_size=16, max_duration="6ba",
+def test_two_processes_match_one(tiny_data, tmp_path):
+    single = tiny_config(tiny_data, tmp_path / "single", global_train_batch_size=16, max_duration="6ba",
                          eval_interval="3ba", save_interval="6ba")
     ddp = {**single, "save_folder": str(tmp_path / "ddp")}
     (tmp_path / "ddp.json").write_text(json.dumps(ddp))

@@ -1,4 +1,5 @@
-"""llm.train.evaluate: a checkpoint, its exported bundle and the training run agree on held-out figures."""
+"""llm.train.evaluate: a checkpoint, its exported bundle and the training run agree on held-out figures;
+one evaluator per eval stream; results go where the user says, after the table."""
 
 import json
 import subprocess
@@ -8,56 +9,70 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm.data import load_corpus, tokenize_corpus, train_bpe_tokenizer
-from llm.train.evaluate import block_texts, evaluate, format_table, spread_indices
+from llm.data.streaming import PreparedDataError
+from llm.train.builders import spread_indices
+from llm.train.evaluate import evaluate, format_table
 from llm.train.trainer import train
-from tests.train_helpers import make_tiny_plays, tiny_config
+from llm.utils.config import ConfigError
+from tests.train_helpers import make_tiny_data, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
-    cfg = tiny_config(make_tiny_plays(root / "plays"), root / "run", max_duration="6ba", save_interval="3ba")
+    cfg = tiny_config(tiny_data, root / "run", max_duration="6ba", save_interval="3ba")
     return cfg, train(cfg)
 
 
-def test_checkpoint_eval_reproduces_the_training_figures(run):
+def test_checkpoint_eval_reproduces_the_training_figures(run, tiny_data):
     cfg, result = run
     report = evaluate(cfg, load_path=str(Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt"))
     heldout = report["evaluators"]["validation"]
-    assert heldout["sequences"] == heldout["blocks"] > 100
+    rows = json.loads((tiny_data / "llm_data.json").read_text())["splits"]["validation"]["rows"]
+    assert heldout["sequences"] == heldout["available"] == rows * 2  # two 32-token sequences per 64-token row
     assert heldout["predicted_tokens"] == heldout["sequences"] * 31
     assert heldout["nats_per_token"] == pytest.approx(result["heldout_nats_per_token"], abs=1e-6)
-    assert heldout["perplexity"] == pytest.approx(heldout["composer_perplexity"], rel=1e-5)
     assert heldout["bits_per_byte"] == pytest.approx(result["bits_per_byte"], abs=1e-6)
-    assert report["output"] == str(Path(cfg["save_folder"]) / "eval.json")
-    assert json.loads(Path(report["output"]).read_text())["evaluators"] == report["evaluators"]
     assert "validation" in format_table(report) and "bits/byte" in format_table(report)
 
     with pytest.raises(ValueError, match="give exactly one of"):
-        evaluate(cfg)
+        evaluate({**cfg, "load_path": None})
     wider = {**cfg, "model": {**cfg["model"], "d_model": 64}}
     with pytest.raises(ValueError, match=r"checkpoint .*ep0-ba6-rank0.pt does not fit the model"):
         evaluate(wider, load_path=str(Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt"))
+    with pytest.raises(ConfigError, match=r"^eval_max_sequencs: unknown key"):
+        evaluate({**cfg, "eval_max_sequencs": 8}, load_path=str(Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt"))
 
 
-def test_bundle_eval_on_a_subset_of_several_splits(run, tmp_path):
+def test_bundle_eval_on_a_spread_subset_of_each_stream(run, tiny_data):
     cfg, result = run
     bundle = result["model_dir"]
-    full = evaluate(cfg, model=bundle, output=tmp_path / "full.json")["evaluators"]["validation"]
+    full = evaluate(cfg, model=bundle)["evaluators"]["validation"]
     assert full["nats_per_token"] == pytest.approx(result["heldout_nats_per_token"], abs=1e-6)
 
-    report = evaluate({**cfg, "eval_splits": ["validation", "train"], "eval_max_sequences": 20, "eval_seq_len": 16},
-                      model=bundle)
-    assert report["output"] == str(Path(bundle) / "eval.json")
-    assert list(report["evaluators"]) == ["validation", "train"]
-    for figures in report["evaluators"].values():
+    streams = {"held_out": {"local": str(tiny_data), "split": "validation"},
+               "seen": {"local": str(tiny_data), "split": "train"}}
+    report = evaluate({**cfg, "eval_loader": {"name": "text", "dataset": {"streams": streams}},
+                       "eval_max_sequences": 20, "eval_seq_len": 16}, model=bundle)
+    assert list(report["evaluators"]) == ["held_out", "seen"]
+    manifest = json.loads((tiny_data / "llm_data.json").read_text())["splits"]
+    for label, split in (("held_out", "validation"), ("seen", "train")):
+        figures = report["evaluators"][label]
         assert figures["sequences"] == 20 and figures["predicted_tokens"] == 20 * 15
+        assert figures["available"] == manifest[split]["rows"] * 4
+        assert figures["tokens_per_byte"] == manifest[split]["tokens"] / manifest[split]["bytes"]
         assert 1.0 < figures["nats_per_token"] < 4.5
-        assert figures["tokens_per_byte"] == pytest.approx(1.0, abs=0.01)  # characters
+    assert report["evaluators"]["seen"]["nats_per_token"] < report["evaluators"]["held_out"]["nats_per_token"] + 0.3
+
+
+def test_a_model_whose_tokenizer_is_not_the_datas_is_refused(run, tmp_path_factory):
+    cfg, result = run
+    bpe = make_tiny_data(tmp_path_factory.mktemp("bpe"), tokenizer="bpe:300")
+    with pytest.raises(PreparedDataError, match=r"the tokenizer of .*model.* is not the tokenizer .* prepared with"):
+        evaluate({**cfg, "eval_loader": {"name": "text", "dataset": {"local": str(bpe)}}}, model=result["model_dir"])
 
 
 def test_spread_indices():
@@ -65,35 +80,42 @@ def test_spread_indices():
     assert spread_indices(10, 50) == list(range(10))
     assert spread_indices(10, 4) == [0, 3, 6, 9]
     assert spread_indices(10, 1) == [0]
-    with pytest.raises(ValueError, match="positive"):
-        spread_indices(10, 0)
 
 
-def test_block_texts_cover_the_text_of_their_tokens():
-    text = load_corpus("validation")[:60_000]
-    tokenizer = train_bpe_tokenizer(text, vocab_size=400)
-    tokens = tokenize_corpus(tokenizer, text)
-    n_blocks = len(tokens) // 64
-    texts = block_texts(tokenizer, text, 64, range(n_blocks))
-    joined = "".join(texts)
-    assert text.startswith(joined) and len(text) - len(joined) < 64 * 8
-    # Each block's text encodes back to (nearly) its tokens: only a cut inside a word can differ.
-    same = sum(tokenize_corpus(tokenizer, t).tolist() == tokens[i * 64:(i + 1) * 64].tolist() for i, t in enumerate(texts))
-    assert same > 0.5 * n_blocks
-    with pytest.raises(IndexError):
-        block_texts(tokenizer, text, 64, [n_blocks])
+def _eval(*args, cwd=REPO):
+    return subprocess.run([sys.executable, str(REPO / "scripts/eval.py"), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_command_line(run, tmp_path):
     cfg, result = run
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))  # JSON is YAML
-    out = tmp_path / "cli.json"
-    proc = subprocess.run([sys.executable, "scripts/eval.py", str(tmp_path / "cfg.json"), "--model", result["model_dir"],
-                           "eval_max_sequences=8", f"eval_output={out}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps(cfg))  # JSON is YAML
+    bundle_files = sorted(p.name for p in Path(result["model_dir"]).iterdir())
+    out = tmp_path / "results" / "cli.json"
+    proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=8", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation" in proc.stdout and "bits/byte" in proc.stdout and str(out) in proc.stdout
     assert json.loads(out.read_text())["evaluators"]["validation"]["sequences"] == 8
-    proc = subprocess.run([sys.executable, "scripts/eval.py", str(tmp_path / "cfg.json")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "load_path=CHECKPOINT or --model" in proc.stderr
+    # Without --out, results go to the current folder, never into the model bundle.
+    proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "eval-model.json").read_text())["evaluators"]["validation"]["sequences"] == 4
+    assert sorted(p.name for p in Path(result["model_dir"]).iterdir()) == bundle_files
+
+    # A write error is one line after the table, which is printed first.
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=4", "--out", blocked / "x.json")
+    assert proc.returncode == 1 and "bits/byte" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("eval.py: error: cannot write the results to")
+
+    for args, match in [((), "load_path=CHECKPOINT or --model"),
+                        (("--model", result["model_dir"], "eval_max_sequencs=8"), "eval_max_sequencs: unknown key"),
+                        (("--model", result["model_dir"], "eval_max_sequences=0"), "eval_max_sequences"),
+                        (("--model", tmp_path / "missing"), "missing")]:
+        proc = _eval(config, *args)
+        assert proc.returncode == 2 and match in proc.stderr, (args, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    proc = _eval(tmp_path / "nope.yaml", "--model", result["model_dir"])
+    assert proc.returncode == 2 and "no config file" in proc.stderr

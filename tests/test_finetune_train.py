@@ -13,9 +13,10 @@ from llm.data.cues import cue_pairs, make_cue_dataset, write_jsonl
 from llm.data.finetune import IGNORE_INDEX, load_jsonl
 from llm.train.evaluate import evaluate
 from llm.model import MosaicGPT
+from llm.train.builders import build_eval_loaders, build_train_loader, load_pretrained
 from llm.train.trainer import train
-from llm.train.builders import build_dataloader, heldout_tokens_per_byte, load_pretrained
-from tests.train_helpers import make_tiny_plays, tiny_config
+from llm.utils.config import ConfigError
+from tests.train_helpers import make_tiny_data, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -25,17 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 def setup(tmp_path_factory):
     """A char-level model pretrained for 20 batches (128-token blocks), and cue/reply JSONL files."""
     root = tmp_path_factory.mktemp("finetune")
-    plays = make_tiny_plays(root / "plays")
-    cfg = tiny_config(plays, root / "pretrain", model={"max_seq_len": 128, "d_model": 32, "n_heads": 2, "n_layers": 2},
+    data = make_tiny_data(root, seq_len=128)
+    cfg = tiny_config(data, root / "pretrain", model={"max_seq_len": 128, "d_model": 32, "n_heads": 2, "n_layers": 2},
                       max_duration="20ba", eval_interval="20ba", save_interval="20ba")
     bundle = train(cfg)["model_dir"]
     for split, n in (("train", 200), ("validation", 48)):
-        write_jsonl(make_cue_dataset(split, n, plays_dir=plays, max_chars=120), root / f"{split}.jsonl")
-    return {"root": root, "bundle": bundle, "plays": plays}
+        write_jsonl(make_cue_dataset(split, n, max_chars=120), root / f"{split}.jsonl")
+    return {"root": root, "bundle": bundle, "data": data}
 
 
 def _loader_cfg(path, shuffle):
-    return {"dataset": {"kind": "finetune", "path": str(path), "padding_side": "right"}, "shuffle": shuffle,
+    return {"name": "finetuning", "dataset": {"path": str(path), "padding_side": "right", "shuffle": shuffle},
             "drop_last": shuffle}
 
 
@@ -56,33 +57,28 @@ def test_shipped_data():
     assert make_cue_dataset("validation", 200, seed=0) == load_jsonl(REPO / "configs/data/shakespeare-cues-validation.jsonl")
 
 
-def test_build_dataloader_dispatches_on_kind(setup):
+def test_loaders_dispatch_on_name(setup):
     tokenizer = load_tokenizer(setup["bundle"])
-    batch = next(iter(build_dataloader(_loader_cfg(setup["root"] / "train.jsonl", False), tokenizer, 128, 4)))
+    batch = next(iter(build_train_loader(_loader_cfg(setup["root"] / "train.jsonl", False), [], tokenizer, 128, 4,
+                                         seed=0)))
     assert set(batch) == {"input_ids", "labels", "attention_mask"} and batch["input_ids"].shape[0] == 4
     assert (batch["labels"][:, 0] == IGNORE_INDEX).all()  # the prompt is not scored
-    text = {"dataset": {"kind": "text", "split": "validation", "plays_dir": str(setup["plays"]), "cache_dir": None},
-            "shuffle": False, "drop_last": False}
-    batch = next(iter(build_dataloader(text, tokenizer, 32, 4)))
-    assert set(batch) == {"input_ids", "labels"} and batch["input_ids"].shape == (4, 32)
-    for bad, match in [({"kind": "chat"}, "kind must be one of"), ({"kind": "finetune"}, "needs dataset.path")]:
-        with pytest.raises(ValueError, match=match):
-            build_dataloader({**text, "dataset": bad}, tokenizer, 32, 4)
-    with pytest.raises(ValueError, match=r"unknown loader key\(s\) \['batch_size'\]"):
-        build_dataloader({**_loader_cfg(setup["root"] / "train.jsonl", False), "batch_size": 3}, tokenizer, 32, 4)
-    tpb = heldout_tokens_per_byte(_loader_cfg(setup["root"] / "validation.jsonl", False), tokenizer)
-    assert 1.0 < tpb < 1.2  # characters, plus one eos per reply
+    (replies,) = build_eval_loaders(_loader_cfg(setup["root"] / "validation.jsonl", False), [], tokenizer, 128, 4, seed=0)
+    assert replies.label == "validation" and replies.sequences == replies.available == 48
+    assert 1.0 < replies.tokens_per_byte < 1.2  # characters, plus one eos per reply
+    responses = [ex["response"] for ex in load_jsonl(setup["root"] / "validation.jsonl")]
+    assert replies.predicted_tokens == sum(len(tokenizer(r).input_ids) + 1 for r in responses)
 
 
 def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
     model, tokenizer = load_pretrained(setup["bundle"])
     pretrained = MosaicGPT.from_pretrained(setup["bundle"])
     assert all(torch.equal(a, b) for a, b in zip(model.model.state_dict().values(), pretrained.state_dict().values()))
-    evaluator = Evaluator(label="replies", dataloader=build_dataloader(_loader_cfg(setup["root"] / "validation.jsonl", False),
-                                                                      tokenizer, 128, 16),
-                          metric_names=["LanguageCrossEntropy"])
-    trainer = Trainer(model=model, train_dataloader=build_dataloader(_loader_cfg(setup["root"] / "train.jsonl", True),
-                                                                     tokenizer, 128, 8, seed=1),
+    (replies,) = build_eval_loaders(_loader_cfg(setup["root"] / "validation.jsonl", False), [], tokenizer, 128, 16,
+                                    seed=0)
+    evaluator = Evaluator(label="replies", dataloader=replies.loader, metric_names=["LanguageCrossEntropy"])
+    trainer = Trainer(model=model, train_dataloader=build_train_loader(_loader_cfg(setup["root"] / "train.jsonl", True),
+                                                                       [], tokenizer, 128, 8, seed=1),
                       optimizers=DecoupledAdamW(model.parameters(), lr=1e-2), max_duration="25ba", eval_dataloader=evaluator,
                       eval_interval="25ba", progress_bar=False, seed=1, save_folder=str(tmp_path), save_interval="25ba")
     trainer.eval()
@@ -94,20 +90,20 @@ def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
     # llm.train.evaluate scores the same replies, for the checkpoint (a load_pretrained config) and the bundle.
     cfg = {"load_pretrained": setup["bundle"], "eval_loader": _loader_cfg(setup["root"] / "validation.jsonl", False),
            "device_eval_batch_size": 16}
-    tuned = evaluate(cfg, load_path=str(tmp_path / "ep0-ba25-rank0.pt"), output=tmp_path / "tuned.json")
+    tuned = evaluate(cfg, load_path=str(tmp_path / "ep0-ba25-rank0.pt"))
     figures = tuned["evaluators"]["validation"]
     assert figures["nats_per_token"] == pytest.approx(after, abs=1e-5)
-    assert figures["sequences"] == figures["blocks"] == 48 and 1.0 < figures["tokens_per_byte"] < 1.2
-    untuned = evaluate({**cfg, "eval_max_sequences": 12}, model=setup["bundle"], output=tmp_path / "untuned.json")
+    assert figures["sequences"] == figures["available"] == 48 and 1.0 < figures["tokens_per_byte"] < 1.2
+    untuned = evaluate({**cfg, "eval_max_sequences": 12}, model=setup["bundle"])
     assert untuned["evaluators"]["validation"]["sequences"] == 12
     assert untuned["evaluators"]["validation"]["nats_per_token"] > after + 0.1
 
 
 def test_train_finetunes_from_load_pretrained(setup, tmp_path):
-    cfg = tiny_config(setup["plays"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="10ba",
+    cfg = tiny_config(setup["data"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="10ba",
                       eval_interval="5ba", save_interval="5ba", num_samples=1, sample_max_new_tokens=8,
                       sample_prompts=["A:\nWho's there?\n\nB:\n"])
-    del cfg["model"], cfg["tokenizer"]
+    del cfg["model"]
     cfg["train_loader"] = _loader_cfg(setup["root"] / "train.jsonl", True)
     cfg["eval_loader"] = _loader_cfg(setup["root"] / "validation.jsonl", False)
     result = train(cfg)
@@ -116,5 +112,5 @@ def test_train_finetunes_from_load_pretrained(setup, tmp_path):
     assert 1.0 < result["tokens_per_byte"] < 1.2 and result["bits_per_byte"] > 0
     assert MosaicGPT.from_pretrained(result["model_dir"]).config == MosaicGPT.from_pretrained(setup["bundle"]).config
     assert result["samples"][0].startswith("A:\nWho's there?\n\nB:\n")
-    with pytest.raises(ValueError, match=r"load_pretrained gives the model and tokenizer: remove the \['model'\]"):
+    with pytest.raises(ConfigError, match=r"load_pretrained"):
         train({**cfg, "model": {"d_model": 32}})

@@ -6,8 +6,9 @@ import pytest
 import torch
 from composer.core import Callback
 
-from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config
-from tests.train_helpers import extra_callbacks, make_tiny_plays, tiny_config
+from llm.train.builders import run_data
+from llm.train.trainer import build_trainer, resolve_config
+from tests.train_helpers import extra_callbacks, tiny_config
 
 torch.set_num_threads(1)
 
@@ -23,29 +24,28 @@ class GradientGrabber(Callback):
 
 
 @pytest.mark.parametrize("microbatch", [4, 8])
-def test_microbatches_give_the_full_batch_update(tmp_path, microbatch):
-    plays = make_tiny_plays(tmp_path / "plays")
+def test_microbatches_give_the_full_batch_update(tiny_data, tmp_path, microbatch):
     weights, grads, losses = {}, {}, {}
     for size in (16, microbatch):
         cfg = resolve_config(tiny_config(
-            plays, tmp_path / f"run{size}", max_duration="1ba", global_train_batch_size=16,
+            tiny_data, tmp_path / f"run{size}", max_duration="1ba", global_train_batch_size=16,
             device_train_microbatch_size=size, eval_interval="10ba", save_interval="10ba",
             # No warmup: Composer's linear warmup gives the first step lr 0. Adam's first step is
             # lr * g / (|g| + eps), about lr * sign(g): it turns float32 summation-order differences
             # (~1e-8) of near-zero gradients into weight differences up to lr * 1e-8 / eps, which an
-            # eps of 1e-6 keeps below 1e-6 (with 1e-8, 1 weight in 28,640 differs by 1.1e-6).
-            optimizer={"name": "decoupled_adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 1e-4},
+            # eps of 1e-5 keeps below 1e-6 (with 1e-6, 1 weight in 28,640 differed by 1.05e-6).
+            optimizer={"name": "decoupled_adamw", "lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-5, "weight_decay": 1e-4},
             scheduler={"name": "cosine_with_warmup", "t_warmup": "0ba", "alpha_f": 0.1},
         ))
-        tokenizer = prepare_tokenizer(cfg["tokenizer"], tmp_path / "tokenizer", plays_dir=plays)
         grabber = GradientGrabber()
         with extra_callbacks(grabber):
-            trainer = build_trainer(cfg, tokenizer)
+            trainer, _ = build_trainer(cfg, run_data(cfg))
         init = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
         trainer.fit()
         assert int(trainer.state.timestamp.batch) == 1
         weights[size] = {k: v.detach().clone() for k, v in trainer.state.model.state_dict().items()}
         grads[size], losses[size] = grabber.grads, trainer.state.total_loss_dict["loss/train/total"]
+        trainer.close()
 
     assert max((weights[16][k] - init[k]).abs().max().item() for k in init) > 5e-3  # a real step (lr 1e-2)
     assert losses[microbatch] == pytest.approx(losses[16], abs=1e-6)
@@ -64,11 +64,11 @@ def _padded_batch_grads(microbatch, on_tokens):
     from llm.train.composer_model import ComposerMosaicGPT
     from llm.config import MosaicGPTConfig
     from llm.data import build_char_tokenizer, load_corpus
-    from llm.train.builders import build_dataloader, token_counting_data_spec
+    from llm.train.builders import build_train_loader, token_counting_data_spec
 
     tokenizer = build_char_tokenizer(load_corpus("validation"))
-    loader = build_dataloader({"dataset": {"kind": "finetune", "path": str(CUES)}, "shuffle": False, "drop_last": True},
-                              tokenizer, 256, 16)
+    loader = build_train_loader({"name": "finetuning", "dataset": {"path": str(CUES)}, "drop_last": True}, [],
+                                tokenizer, 256, 16, seed=0)
     reproducibility.seed_all(0)
     model = ComposerMosaicGPT(MosaicGPTConfig(vocab_size=len(tokenizer), max_seq_len=256, d_model=32, n_heads=2, n_layers=2))
     grabber = GradientGrabber()

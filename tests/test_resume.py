@@ -25,7 +25,7 @@ from llm.train.composer_model import ComposerMosaicGPT
 from llm.config import MosaicGPTConfig
 from llm.data import load_tokenizer
 from llm.train.trainer import CHECKPOINT_FILENAME, train
-from tests.train_helpers import BatchRecorder, extra_callbacks, make_tiny_plays, read_record, tiny_config
+from tests.train_helpers import BatchRecorder, extra_callbacks, read_record, tiny_config
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -33,14 +33,13 @@ KILL_AFTER = 5  # checkpoints at batches 2 and 4, so the resumed run redoes batc
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tiny_data, tmp_path_factory):
     """Run A (10 batches, uninterrupted) and run B (the same config, SIGKILLed after batch 5)."""
     root = tmp_path_factory.mktemp("resume")
-    plays = make_tiny_plays(root / "plays")
-    a = tiny_config(plays, root / "a")
+    a = tiny_config(tiny_data, root / "a")
     with extra_callbacks(BatchRecorder(root / "a.batches")):
         result_a = train(a)
-    b = tiny_config(plays, root / "b", autoresume=True)
+    b = tiny_config(tiny_data, root / "b", autoresume=True)
     (root / "b.json").write_text(json.dumps(b))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.train_helpers", str(root / "b.json"), "--kill-after", str(KILL_AFTER),
@@ -161,7 +160,7 @@ def test_atomic_writes_leave_no_partial_checkpoint(tmp_path, monkeypatch):
 
 def test_bad_checkpoints_name_the_file_and_what_did_not_fit(runs, tmp_path):
     checkpoint = Path(runs["b"]["save_folder"]) / "ep0-ba4-rank0.pt"
-    vocab_size = len(load_tokenizer(Path(runs["b"]["save_folder"]) / "tokenizer"))
+    vocab_size = len(load_tokenizer(Path(runs["b"]["train_loader"]["dataset"]["local"]) / "tokenizer"))
     model_cfg = {**runs["b"]["model"], "vocab_size": vocab_size}
     assert check_checkpoint(checkpoint, ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg)))["model.wte.weight"].shape == (vocab_size, 32)
 

@@ -1,4 +1,5 @@
-"""llm.train end to end on the real corpus with a tiny char-level model: fit, checkpoint, resume, export."""
+"""llm.train end to end on prepared tiny Shakespeare with a tiny char-level model: fit, checkpoint, resume,
+export, and the data checks that refuse a run before anything is written."""
 
 import json
 import os
@@ -10,26 +11,29 @@ from omegaconf import OmegaConf
 
 from llm import MosaicGPT
 from llm.data import load_tokenizer
-from llm.train.trainer import build_trainer, prepare_tokenizer, resolve_config, train
-from tests.train_helpers import tiny_config
+from llm.data.streaming import PreparedDataError
+from llm.train.builders import run_data
+from llm.train.trainer import build_trainer, resolve_config, train
+from llm.utils.config import ConfigError
+from tests.train_helpers import make_tiny_data, tiny_config
 
 
 @pytest.fixture
-def tiny_cfg(tmp_path):
-    """train_helpers' tiny config on the real corpus, in two microbatches, with samples."""
-    cfg = tiny_config(None, tmp_path / "run", max_duration="6ba", eval_interval="3ba", save_interval="3ba",
+def tiny_cfg(tiny_data, tmp_path):
+    """train_helpers' tiny config, in two microbatches, with samples."""
+    cfg = tiny_config(tiny_data, tmp_path / "run", max_duration="6ba", eval_interval="3ba", save_interval="3ba",
                       global_train_batch_size=16, device_train_microbatch_size=8, device_eval_batch_size=256, seed=3,
                       num_samples=2, sample_max_new_tokens=12, sample_prompts=["ROMEO:"])
     cfg["optimizer"]["weight_decay"] = 0.0
     return OmegaConf.create(cfg)
 
 
-def test_fit_lowers_the_training_loss(tiny_cfg, tmp_path):
+def test_fit_lowers_the_training_loss(tiny_cfg):
     cfg = resolve_config(tiny_cfg)
-    tokenizer = prepare_tokenizer(cfg["tokenizer"], tmp_path / "tokenizer")
-    trainer = build_trainer(cfg, tokenizer)
+    trainer, _ = build_trainer(cfg, run_data(cfg))
     model = trainer.state.model
     batch = next(iter(trainer.state.train_dataloader))
+    assert batch["input_ids"].shape == (16, 32)
     with torch.no_grad():
         before = model.loss(model(batch), batch).item()
     trainer.fit()
@@ -37,9 +41,10 @@ def test_fit_lowers_the_training_loss(tiny_cfg, tmp_path):
         after = model.loss(model(batch), batch).item()
     assert after < before - 0.5, (before, after)
     assert (Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt").is_file()
+    trainer.close()
 
 
-def test_train_checkpoints_resumes_and_exports(tiny_cfg):
+def test_train_checkpoints_resumes_and_exports(tiny_cfg, tiny_data):
     save_folder = Path(tiny_cfg.save_folder)
     first = train(tiny_cfg)
     assert (first["start_batch"], first["batches"]) == (0, 6)
@@ -51,25 +56,26 @@ def test_train_checkpoints_resumes_and_exports(tiny_cfg):
     }
     # A char model after 6 batches is better than uniform but far from trained.
     assert 1.0 < first["heldout_nats_per_token"] < torch.log(torch.tensor(first["vocab_size"])).item()
-    assert first["tokens_per_byte"] == pytest.approx(1.0, abs=0.01)
+    manifest = json.loads((tiny_data / "llm_data.json").read_text())["splits"]["validation"]
+    assert first["tokens_per_byte"] == manifest["tokens"] / manifest["bytes"]
+    assert first["heldout"]["validation"]["predicted_tokens"] == manifest["rows"] * 2 * 31  # 2 sequences a row
     assert len(first["samples"]) == 2 and all(s.startswith("ROMEO:") for s in first["samples"])
 
-    # The exported bundle loads on its own and generates.
+    # The exported bundle loads on its own and generates, with the data's tokenizer.
     model = MosaicGPT.from_pretrained(first["model_dir"])
     tokenizer = load_tokenizer(first["model_dir"])
+    assert tokenizer.backend_tokenizer.to_str() == load_tokenizer(tiny_data / "tokenizer").backend_tokenizer.to_str()
     ids = torch.tensor([tokenizer.encode("JULIET:")])
     out = model.generate(ids, max_new_tokens=10, do_sample=True, top_k=5, seed=0)
     assert out.shape == (1, ids.shape[1] + 10)
     assert tokenizer.decode(out[0]).startswith("JULIET:")
 
-    # Resuming from the checkpoint continues its step count, with the run's saved tokenizer.
-    tokenizer_mtime = (save_folder / "tokenizer" / "tokenizer.json").stat().st_mtime_ns
+    # Resuming from the checkpoint continues its step count.
     tiny_cfg.load_path = str(checkpoint)
     tiny_cfg.max_duration = "9ba"
     second = train(tiny_cfg)
     assert (second["start_batch"], second["batches"]) == (6, 9)
     assert (save_folder / "ep0-ba9-rank0.pt").is_file()
-    assert (save_folder / "tokenizer" / "tokenizer.json").stat().st_mtime_ns == tokenizer_mtime
 
     # autoresume picks the newest checkpoint in save_folder by itself.
     tiny_cfg.load_path = None
@@ -82,46 +88,43 @@ def test_train_checkpoints_resumes_and_exports(tiny_cfg):
     assert (again["start_batch"], again["batches"]) == (10, 10)
     assert again["heldout_nats_per_token"] == pytest.approx(third["heldout_nats_per_token"], rel=1e-5)
 
-    tiny_cfg.tokenizer = {"kind": "bpe", "vocab_size": 300}
-    with pytest.raises(ValueError, match="holds a tokenizer built with"):
-        train(tiny_cfg)
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory):
+    """The same tiny plays prepared with a trained BPE tokenizer: another tokenizer than tiny_data's."""
+    return make_tiny_data(tmp_path_factory.mktemp("bpe"), tokenizer="bpe:300")
 
 
-@pytest.mark.parametrize(
-    ("key", "section", "match"),
-    [
-        ("max_duraton", None, "unknown config key.*'max_duraton'.*allowed keys.*'max_duration'"),
-        ("d_modle", "model", "unknown model config key.*'d_modle'"),
-        ("vocab_size", "model", "model.vocab_size must not be set"),
-    ],
-)
-def test_bad_keys_raise_before_any_work(tiny_cfg, key, section, match):
-    (tiny_cfg[section] if section else tiny_cfg)[key] = 64
-    with pytest.raises(ValueError, match=match):
+def test_data_that_does_not_fit_is_refused_before_anything_is_written(tiny_cfg, tiny_data, bpe_data, tmp_path):
+    cases = [
+        # a tokenizer other than the shards' (by hash), named with both
+        ({"tokenizer": {"name": str(bpe_data / "tokenizer")}}, r"tokenizer.name .*bpe.*hash .*is not the tokenizer .* was "
+                                                               r"prepared with \('char'"),
+        # a vocabulary too small for the shards' token ids
+        ({"model": {**tiny_cfg.model, "vocab_size": 10}}, r"model.vocab_size 10 is smaller than .* \(\d+ tokens\)"),
+        # eval shards prepared with another tokenizer than the training shards
+        ({"eval_loader": {"name": "text", "dataset": {"local": str(bpe_data), "split": "validation"}}},
+         "is not the tokenizer"),
+        # streams of a mixture with different tokenizers
+        ({"train_loader": {"name": "text", "dataset": {"streams": {
+            "char": {"local": str(tiny_data), "proportion": 0.5}, "bpe": {"local": str(bpe_data), "proportion": 0.5}}}}},
+         r"streams 'char' .* and 'bpe' .* different tokenizers"),
+        # a folder that was never prepared, or a split it does not hold
+        ({"eval_loader": {"name": "text", "dataset": {"local": str(tmp_path / "nothing")}}}, "llm_data.json"),
+        ({"eval_loader": {"name": "text", "dataset": {"local": str(tiny_data), "split": "test"}}},
+         r"has no 'test' split; it holds \['train', 'validation'\]"),
+        # sequences longer than the prepared rows
+        ({"model": {**tiny_cfg.model, "max_seq_len": 128}}, r"rows of 64 tokens, shorter than the model's max_seq_len 128"),
+    ]
+    for overrides, match in cases:
+        cfg = {**OmegaConf.to_container(tiny_cfg), **overrides}
+        with pytest.raises(PreparedDataError, match=match):
+            train(cfg)
+        assert not Path(tiny_cfg.save_folder).exists()
+
+
+def test_bad_config_raises_before_any_work(tiny_cfg):
+    tiny_cfg.train_loader.dataset["splt"] = "train"
+    with pytest.raises(ConfigError, match=r"train_loader\.dataset\.splt"):
         train(tiny_cfg)
     assert not Path(tiny_cfg.save_folder).exists()
-
-
-def test_missing_key_and_bad_sections_raise(tiny_cfg, tmp_path):
-    del tiny_cfg["optimizer"]
-    with pytest.raises(ValueError, match=r"missing config key\(s\) \['optimizer'\]"):
-        resolve_config(tiny_cfg)
-    tokenizer = prepare_tokenizer({"kind": "char"}, tmp_path / "tokenizer")
-    for section, value, match in [
-        ("optimizer", {"name": "adam", "lr": 1e-3}, "optimizer.name must be one of"),
-        ("optimizer", {"name": "decoupled_adamw", "learning_rate": 1e-3}, r"unknown option\(s\) \['learning_rate'\]"),
-        ("algorithms", {"grad_clip": {}}, r"unknown algorithm\(s\) \['grad_clip'\]"),
-    ]:
-        cfg = resolve_config({**OmegaConf.to_container(tiny_cfg), "optimizer": {"name": "decoupled_adamw"}})
-        cfg[section] = value
-        with pytest.raises(ValueError, match=match):
-            build_trainer(cfg, tokenizer)
-
-
-@pytest.mark.parametrize("path", ["configs/shakespeare.yaml", "configs/shakespeare-char.yaml",
-                                  "configs/shakespeare-alibi.yaml", "configs/finetune-shakespeare.yaml",
-                                  "configs/shakespeare-fsdp.yaml"])
-def test_shipped_configs_are_valid(path):
-    from llm.train.trainer import validate_config
-
-    validate_config(OmegaConf.load(Path(__file__).parents[1] / path))

@@ -19,34 +19,38 @@ from pathlib import Path
 import torch
 from composer.core import Callback
 
-from llm.data import VALIDATION_PLAYS, play_paths
+from llm.data import VALIDATION_PLAYS, markdown_to_text, play_paths
 
 TRAIN_PLAYS = ("julius-caesar", "macbeth", "pericles")
 
 
-def make_tiny_plays(directory: Path, train_chars: int = 40_000, validation_chars: int = 10_000) -> Path:
-    """The first paragraphs of three training plays and of the four validation plays, as a plays dir."""
+def make_tiny_data(directory: Path, *, tokenizer: str = "char", seq_len: int = 64, train_chars: int = 40_000,
+                   validation_chars: int = 10_000) -> Path:
+    """The first paragraphs of three training plays and of the four validation plays, prepared into
+    token shards by :func:`llm.data.prepare.prepare` (one document per play); returns the data folder."""
+    from llm.data.prepare import prepare
+
+    text = Path(directory) / "text"
     for name, path in play_paths().items():
         if name in VALIDATION_PLAYS or name in TRAIN_PLAYS:
-            md = path.read_text()
-            cut = md.rfind("\n\n", 0, validation_chars if name in VALIDATION_PLAYS else train_chars)
-            out = Path(directory) / path.parent.name / path.name
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(md[:cut] + "\n")
-    return Path(directory)
+            split = "validation" if name in VALIDATION_PLAYS else "train"
+            play = markdown_to_text(path.read_text())
+            cut = play.rfind("\n\n", 0, validation_chars if split == "validation" else train_chars)
+            (text / split).mkdir(parents=True, exist_ok=True)
+            (text / split / f"{name}.txt").write_text(play[:cut] + "\n")
+    out = Path(directory) / "data"
+    prepare([text / "train"], out, tokenizer, seq_len=seq_len, validation=[text / "validation"], workers=1,
+            progress=False)
+    return out
 
 
-def tiny_config(plays_dir: Path | None, save_folder: Path, **overrides) -> dict:
-    """A char-level 2-layer d_model 32 model, 32-token blocks, batches of 8, a checkpoint every 2 batches.
-
-    ``plays_dir`` None: the real corpus.
-    """
-    dataset = {} if plays_dir is None else {"plays_dir": str(plays_dir), "cache_dir": str(Path(plays_dir) / "cache")}
+def tiny_config(data_dir: Path, save_folder: Path, **overrides) -> dict:
+    """A 2-layer d_model 32 model, 32-token sequences, batches of 8, a checkpoint every 2 batches, on ``data_dir``."""
     cfg = {
         "model": {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2},
-        "tokenizer": {"kind": "char"},
-        "train_loader": {"dataset": {"split": "train", **dataset}, "shuffle": True, "drop_last": True},
-        "eval_loader": {"dataset": {"split": "validation", **dataset}, "shuffle": False, "drop_last": False},
+        "train_loader": {"name": "text", "dataset": {"local": str(data_dir), "split": "train", "shuffle": True},
+                         "drop_last": True},
+        "eval_loader": {"name": "text", "dataset": {"local": str(data_dir), "split": "validation"}, "drop_last": False},
         "optimizer": {"name": "decoupled_adamw", "lr": 1.0e-2, "betas": [0.9, 0.95], "eps": 1.0e-8,
                       "weight_decay": 1.0e-4},
         "scheduler": {"name": "cosine_with_warmup", "t_warmup": "2ba", "alpha_f": 0.1},
@@ -114,8 +118,9 @@ class KillAfter(Callback):
 def extra_callbacks(*callbacks: Callback, loggers=()):
     """Within the block, :func:`llm.train.train` and :func:`llm.train.build_trainer` build their
     ``Trainer`` with ``callbacks`` (except those of a type it already has) and ``loggers`` added."""
-    import llm.train
     from composer.utils import ensure_tuple
+
+    import llm.train.trainer
 
     original = llm.train.trainer.Trainer
 

@@ -1,4 +1,7 @@
-"""Data side: the Shakespeare corpus, tokenizers, and packed-token dataloaders."""
+"""Data side: sources of documents, tokenizers, preparation into token shards, streaming datasets, fine-tuning data.
+
+The submodules are imported where needed (:mod:`llm.data.prepare`, :mod:`llm.data.streaming`, ...);
+this package exports the Shakespeare corpus helpers and the tokenizer builders."""
 
 from llm.data.shakespeare import (
     DEFAULT_PLAYS_DIR,
@@ -9,45 +12,27 @@ from llm.data.shakespeare import (
     play_paths,
     split_plays,
 )
-from llm.data.text_dataset import (
-    DEFAULT_CACHE_DIR,
-    PackedTextDataset,
-    build_text_dataloader,
-    load_split_tokens,
-    tokenize_corpus,
-    tokens_per_byte,
-)
 from llm.data.tokenizer import (
     EOS_TOKEN,
-    TOKENIZER_KINDS,
     UNK_TOKEN,
     build_char_tokenizer,
-    build_tokenizer,
     load_tokenizer,
     save_tokenizer,
     train_bpe_tokenizer,
 )
 
 __all__ = [
-    "DEFAULT_CACHE_DIR",
     "DEFAULT_PLAYS_DIR",
     "EOS_TOKEN",
     "SPLITS",
-    "TOKENIZER_KINDS",
     "UNK_TOKEN",
     "VALIDATION_PLAYS",
-    "PackedTextDataset",
     "build_char_tokenizer",
-    "build_text_dataloader",
-    "build_tokenizer",
     "load_corpus",
-    "load_split_tokens",
     "load_tokenizer",
     "markdown_to_text",
     "play_paths",
     "split_plays",
     "save_tokenizer",
-    "tokenize_corpus",
-    "tokens_per_byte",
     "train_bpe_tokenizer",
 ]

@@ -112,23 +112,6 @@ class PaddingCollator:
         return {key: torch.stack(rows) for key, rows in batch.items()}
 
 
-def build_finetune_dataloader(dataset_cfg: Mapping, tokenizer, max_seq_len: int, device_batch_size: int, *,
-                              shuffle: bool, drop_last: bool, num_workers: int = 0, seed: int = 0) -> DataLoader:
-    """A DataLoader of padded fine-tuning batches from ``dataset_cfg`` = ``{kind: finetune, path, padding_side}``.
-
-    Sharded by rank with Composer's distributed sampler, like the pre-training loader.
-
-    Raises:
-        ValueError: for an unknown key in ``dataset_cfg`` or a bad padding side.
-    """
-    allowed = {"kind", "path", "padding_side"}
-    unknown = sorted(set(dataset_cfg) - allowed)
-    if unknown:
-        raise ValueError(f"unknown fine-tuning dataset key(s) {unknown}; allowed keys: {sorted(allowed)}")
-    from composer.utils import dist  # here, not at the top: importing composer takes seconds
-
-    dataset = FinetuneDataset(load_jsonl(dataset_cfg["path"]), tokenizer, max_seq_len)
-    collator = PaddingCollator(tokenizer.pad_token_id, dataset_cfg.get("padding_side", "right"))
-    sampler = dist.get_sampler(dataset, shuffle=shuffle, drop_last=drop_last, seed=seed)
-    return DataLoader(dataset, batch_size=device_batch_size, sampler=sampler, collate_fn=collator,
-                      drop_last=drop_last, num_workers=num_workers)
+def build_finetune_dataset(path: str | Path, tokenizer, max_seq_len: int) -> FinetuneDataset:
+    """The tokenized examples of a JSONL file of prompt/response pairs (see :func:`load_jsonl`)."""
+    return FinetuneDataset(load_jsonl(path), tokenizer, max_seq_len)

@@ -1,6 +1,5 @@
 """Tokenizers for the corpus: byte-level BPE or characters, as Hugging Face fast tokenizers."""
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -8,7 +7,6 @@ from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<unk>"
-TOKENIZER_KINDS = ("bpe", "char")
 _MIN_BPE_VOCAB = 256 + 1  # every byte plus EOS_TOKEN
 
 
@@ -62,28 +60,6 @@ def build_char_tokenizer(text: str) -> PreTrainedTokenizerFast:
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN])
     return _wrap(tokenizer, unk_token=UNK_TOKEN)
-
-
-def build_tokenizer(cfg: Mapping, text: str) -> PreTrainedTokenizerFast:
-    """Build the tokenizer `cfg` describes from `text`.
-
-    `cfg` (a dict or OmegaConf DictConfig) has `kind: bpe` with an integer `vocab_size`, or
-    `kind: char`. Raises ValueError naming the offending key for an unknown kind, a missing
-    or non-integer vocab_size, or an unexpected key.
-    """
-    kind = cfg.get("kind")
-    if kind not in TOKENIZER_KINDS:
-        raise ValueError(f"tokenizer.kind must be one of {TOKENIZER_KINDS}, got {kind!r}")
-    allowed = {"kind", "vocab_size"} if kind == "bpe" else {"kind"}
-    unknown = set(cfg) - allowed
-    if unknown:
-        raise ValueError(f"unknown tokenizer key(s) {sorted(unknown)} for kind {kind!r}; allowed: {sorted(allowed)}")
-    if kind == "char":
-        return build_char_tokenizer(text)
-    vocab_size = cfg.get("vocab_size")
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
-        raise ValueError(f"tokenizer.vocab_size must be an integer for kind 'bpe', got {vocab_size!r}")
-    return train_bpe_tokenizer(text, vocab_size)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> None:

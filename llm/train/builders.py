@@ -1,70 +1,192 @@
-"""Pieces :mod:`llm.train` uses for fine-tuning, pretrained starts and several processes.
+"""What :mod:`llm.train.trainer` and :mod:`llm.train.evaluate` build from a validated config.
 
-* :func:`build_dataloader`: dispatches on ``<loader>.dataset.kind``: ``text`` (the default; packed
-  blocks of a Shakespeare split, :func:`llm.data.build_text_dataloader`) or ``finetune``
-  (prompt/response JSONL, :func:`llm.data.finetune.build_finetune_dataloader`).
-* :func:`load_pretrained`: a ``ComposerMosaicGPT`` and tokenizer from an exported bundle, a .gguf
-  file or a registered name (config key ``load_pretrained``).
-* :func:`device_batch_size`: a global batch size split over the ranks.
-* :func:`mark_fsdp_units`: makes Composer's FSDP wrap each transformer block on its own.
-* :func:`token_counting_data_spec`: lets Composer weight microbatches by scored tokens.
+* :func:`run_data`: the prepared token shards a config names (train and eval loaders), the run's
+  tokenizer (the shards' own, ``tokenizer.name`` or ``load_pretrained``'s, checked against the
+  shards) — everything that can be refused, before anything is written.
+* :func:`build_train_loader` / :func:`build_eval_loaders`: streaming text loaders (one evaluator
+  per eval stream) or prompt/response fine-tuning loaders.
+* :func:`load_pretrained`: a ``ComposerMosaicGPT`` and tokenizer from a bundle, .gguf or name.
+* :func:`device_batch_size`, :func:`mark_fsdp_units`, :func:`token_counting_data_spec`.
+
+Loader sections follow llm-foundry: ``{name: text | finetuning, dataset: {...}, drop_last,
+num_workers, pin_memory, prefetch_factor, persistent_workers, timeout}``; a ``text`` dataset holds
+MosaicML Streaming's keys (``local``, ``remote``, ``split``, ``streams``, ``shuffle``, ...; see
+:mod:`llm.data.streaming`), a ``finetuning`` dataset ``path``, ``padding_side`` and ``shuffle``.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
-DATASET_KINDS = ("text", "finetune")
-FINETUNE_LOADER_KEYS = ("dataset", "shuffle", "drop_last", "num_workers")
+from llm.data.streaming import PreparedDataError, PreparedSplit, build_token_dataset, check_tokenizer, data_tokenizer
+from llm.data.streaming import resolve_sources
+
+LOADER_OPTIONS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "timeout")
 
 
-def dataset_kind(loader_cfg: Mapping[str, Any]) -> str:
-    """``loader_cfg["dataset"]["kind"]``, ``"text"`` when absent.
+@dataclass
+class RunData:
+    """The data side of a run, resolved and checked: the tokenizer and each text loader's sources."""
+
+    tokenizer: Any
+    train: list[PreparedSplit] = field(default_factory=list)
+    eval: list[PreparedSplit] = field(default_factory=list)
+
+
+def _text_sources(loader_cfg: Mapping[str, Any] | None, default_split: str) -> list[PreparedSplit]:
+    if not loader_cfg or loader_cfg.get("name", "text") != "text":
+        return []
+    return resolve_sources(loader_cfg["dataset"], default_split)
+
+
+def run_data(cfg: Mapping[str, Any]) -> RunData:
+    """Resolve a config's data and tokenizer, refusing whatever does not fit, without writing anything.
+
+    The tokenizer is ``load_pretrained``'s, else the one ``tokenizer.name`` names, else the one the
+    training shards were prepared with. Every text source (train and eval) must have been
+    prepared with that tokenizer (compared by hash), and ``model.vocab_size``, when given, must
+    hold its ids.
 
     Raises:
-        ValueError: for another kind.
+        PreparedDataError: for missing or incomplete shards, a tokenizer or vocabulary that does
+            not match them (naming both), or a fine-tuning-only config without a tokenizer.
+        FileNotFoundError, ValueError: for a ``load_pretrained`` or ``tokenizer.name`` that cannot
+            be loaded.
     """
-    kind = loader_cfg["dataset"].get("kind", "text")
-    if kind not in DATASET_KINDS:
-        raise ValueError(f"loader.dataset.kind must be one of {list(DATASET_KINDS)}, got {kind!r}")
-    return kind
+    from llm.convert.registry import load_tokenizer
+    from llm.data.tokenizers import load_tokenizer_spec
+
+    train = _text_sources(cfg.get("train_loader"), "train")
+    evals = _text_sources(cfg.get("eval_loader"), "validation")
+    sources = train + evals
+    if cfg.get("load_pretrained"):
+        tokenizer, what = load_tokenizer(cfg["load_pretrained"]), f"the tokenizer of {cfg['load_pretrained']}"
+    elif (cfg.get("tokenizer") or {}).get("name"):
+        tokenizer, what = load_tokenizer_spec(cfg["tokenizer"]["name"]), f"tokenizer.name {cfg['tokenizer']['name']}"
+    elif sources:
+        tokenizer, _ = data_tokenizer(sources)
+        what = f"the tokenizer of {sources[0].local}"
+    else:
+        raise PreparedDataError(
+            "no tokenizer: fine-tuning loaders need load_pretrained or tokenizer.name (a tokenizer folder or model)"
+        )
+    vocab_size = (cfg.get("model") or {}).get("vocab_size")
+    for group in (train, evals):
+        if group:
+            check_tokenizer(group, tokenizer, vocab_size=vocab_size, what=what)
+    return RunData(tokenizer, train, evals)
 
 
-def build_dataloader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int, device_batch_size: int, *,
-                     seed: int = 0) -> DataLoader:
-    """The loader for a ``train_loader`` / ``eval_loader`` section, by ``dataset.kind``.
+def _loader_options(loader_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: loader_cfg[k] for k in LOADER_OPTIONS if loader_cfg.get(k) is not None}
 
-    ``text``: see :func:`llm.data.build_text_dataloader` (``dataset``: ``split``, ``plays_dir``,
-    ``cache_dir``). ``finetune``: ``dataset``: ``path`` (JSONL of ``{"prompt", "response"}``),
-    ``padding_side``; batches are padded to their longest example (see
-    :mod:`llm.data.finetune`). Both shard by rank with Composer's distributed sampler.
+
+def build_train_loader(loader_cfg: Mapping[str, Any], sources: list[PreparedSplit], tokenizer, max_seq_len: int,
+                       device_batch_size: int, *, seed: int) -> DataLoader:
+    """The training loader: a Streaming dataset over ``sources`` (text) or padded fine-tuning batches.
+
+    Text batches are ``{"input_ids", "labels"}`` int64 (device_batch_size, max_seq_len); the
+    dataset's ``state_dict`` goes into Composer's checkpoints, so a resumed run sees the batches
+    an uninterrupted run would.
 
     Raises:
-        ValueError: for an unknown kind, key or value, naming it.
+        PreparedDataError: if ``max_seq_len`` exceeds the prepared rows.
     """
-    from llm.data import build_text_dataloader
-    from llm.data.finetune import build_finetune_dataloader
+    if loader_cfg.get("name", "text") == "text":
+        dataset = build_token_dataset(sources, loader_cfg["dataset"], max_seq_len=max_seq_len,
+                                      device_batch_size=device_batch_size, seed=seed)
+        return DataLoader(dataset, batch_size=device_batch_size, drop_last=loader_cfg.get("drop_last", True),
+                          **_loader_options(loader_cfg))
+    return _finetune_loader(loader_cfg, tokenizer, max_seq_len, device_batch_size, seed=seed)
 
-    kind = dataset_kind(loader_cfg)
-    dataset_cfg = {k: v for k, v in loader_cfg["dataset"].items() if k != "kind"}
-    if kind == "text":
-        return build_text_dataloader({**loader_cfg, "dataset": dataset_cfg}, tokenizer, max_seq_len,
-                                     device_batch_size, seed=seed)
-    unknown = sorted(set(loader_cfg) - set(FINETUNE_LOADER_KEYS))
-    if unknown:
-        raise ValueError(f"unknown loader key(s) {unknown}; allowed keys: {list(FINETUNE_LOADER_KEYS)}")
-    for key in ("shuffle", "drop_last"):
-        if not isinstance(loader_cfg.get(key), bool):
-            raise ValueError(f"loader.{key} must be true or false, got {loader_cfg.get(key)!r}")
-    if "path" not in dataset_cfg:
-        raise ValueError("a finetune loader needs dataset.path (a JSONL file of prompt/response pairs)")
-    return build_finetune_dataloader(
-        loader_cfg["dataset"], tokenizer, max_seq_len, device_batch_size, shuffle=loader_cfg["shuffle"],
-        drop_last=loader_cfg["drop_last"], num_workers=loader_cfg.get("num_workers", 0), seed=seed,
-    )
+
+def _finetune_loader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int, device_batch_size: int, *,
+                     seed: int, indices: list[int] | None = None) -> DataLoader:
+    from composer.utils import dist
+
+    from llm.data.finetune import PaddingCollator, build_finetune_dataset
+
+    dataset_cfg = loader_cfg["dataset"]
+    dataset = build_finetune_dataset(dataset_cfg["path"], tokenizer, max_seq_len)
+    if indices is not None:
+        dataset = Subset(dataset, indices)
+    drop_last = loader_cfg.get("drop_last", False)
+    sampler = dist.get_sampler(dataset, shuffle=dataset_cfg.get("shuffle", False), drop_last=drop_last, seed=seed)
+    return DataLoader(dataset, batch_size=device_batch_size, sampler=sampler, drop_last=drop_last,
+                      collate_fn=PaddingCollator(tokenizer.pad_token_id, dataset_cfg.get("padding_side", "right")),
+                      **_loader_options(loader_cfg))
+
+
+@dataclass
+class EvalSet:
+    """One evaluator's data: its label, loader and what bits per byte need.
+
+    ``sequences`` / ``available``: sequences evaluated / in the split; ``predicted_tokens``:
+    tokens whose loss is scored; ``tokens_per_byte``: of the whole split (text) or of the
+    responses (fine-tuning).
+    """
+
+    label: str
+    loader: DataLoader
+    sequences: int
+    available: int
+    predicted_tokens: int
+    tokens_per_byte: float
+    split: str
+
+
+def spread_indices(n: int, max_sequences: int | None) -> list[int]:
+    """All of ``range(n)``, or ``max_sequences`` indices evenly spaced from the first to the last."""
+    if max_sequences is None or max_sequences >= n:
+        return list(range(n))
+    if max_sequences == 1:
+        return [0]
+    return sorted({round(i * (n - 1) / (max_sequences - 1)) for i in range(max_sequences)})
+
+
+def build_eval_loaders(loader_cfg: Mapping[str, Any], sources: list[PreparedSplit], tokenizer, seq_len: int,
+                       batch_size: int, *, seed: int, max_sequences: int | None = None) -> list[EvalSet]:
+    """One :class:`EvalSet` per eval stream (text) or one for a fine-tuning file.
+
+    Text: the split's ``seq_len``-token sequences in order (or ``max_sequences`` of them evenly
+    spread), each rank scoring its share; tokens per byte are the split's (its manifest counts).
+    Fine-tuning: the responses' loss, labelled after the file.
+
+    Raises:
+        PreparedDataError: if ``seq_len`` exceeds the prepared rows.
+    """
+    from composer.utils import dist
+
+    if loader_cfg.get("name", "text") != "text":
+        from llm.data.finetune import IGNORE_INDEX, load_jsonl
+
+        path = loader_cfg["dataset"]["path"]
+        examples = load_jsonl(path)
+        indices = spread_indices(len(examples), max_sequences)
+        loader = _finetune_loader({**loader_cfg, "drop_last": False}, tokenizer, seq_len, batch_size, seed=seed,
+                                  indices=indices)
+        predicted = sum(int((item["labels"][1:] != IGNORE_INDEX).sum()) for item in loader.dataset)
+        n_bytes = sum(len(examples[i]["response"].encode("utf-8")) for i in indices)
+        return [EvalSet(Path(path).stem, loader, len(indices), len(examples), predicted, predicted / n_bytes,
+                        str(path))]
+    sets = []
+    for source in sources:
+        options = {"shuffle": False, **{k: v for k, v in loader_cfg["dataset"].items()
+                                        if k in ("download_retry", "download_timeout", "validate_hash")}}
+        dataset = build_token_dataset([source], options, max_seq_len=seq_len, device_batch_size=batch_size,
+                                      seed=seed)
+        indices = spread_indices(dataset.num_samples, max_sequences)
+        subset = Subset(dataset, indices)
+        loader = DataLoader(subset, batch_size=batch_size, sampler=dist.get_sampler(subset, shuffle=False),
+                            **_loader_options(loader_cfg))
+        sets.append(EvalSet(source.name, loader, len(indices), dataset.num_samples, len(indices) * (seq_len - 1),
+                            source.tokens_per_byte, f"{source.local}:{source.split}"))
+    return sets
 
 
 def load_pretrained(name_or_path: str | os.PathLike):
@@ -76,9 +198,9 @@ def load_pretrained(name_or_path: str | os.PathLike):
     Raises:
         FileNotFoundError, ValueError: see :meth:`llm.model.MosaicGPT.from_pretrained`.
     """
-    from llm.train.composer_model import ComposerMosaicGPT
     from llm.convert.registry import load_tokenizer
     from llm.model import MosaicGPT
+    from llm.train.composer_model import ComposerMosaicGPT
 
     tokenizer = load_tokenizer(name_or_path)
     model = MosaicGPT.from_pretrained(name_or_path).train()
@@ -121,24 +243,6 @@ def mark_fsdp_units(composer_model, *, activation_checkpointing: bool = False) -
             block._activation_checkpointing = True
 
 
-def heldout_tokens_per_byte(loader_cfg: Mapping[str, Any], tokenizer) -> float:
-    """Tokens per UTF-8 byte of the text whose tokens an eval loader scores, for bits per byte.
-
-    ``text``: the whole split (:func:`llm.data.tokens_per_byte`). ``finetune``: the responses,
-    counting each example's eos token (scored too) but no bytes for it, so bits per byte include
-    the cost of ending the reply.
-    """
-    from llm.data import load_corpus, tokens_per_byte
-    from llm.data.finetune import load_jsonl
-
-    dataset_cfg = loader_cfg["dataset"]
-    if dataset_kind(loader_cfg) == "text":
-        return tokens_per_byte(tokenizer, load_corpus(dataset_cfg["split"], dataset_cfg.get("plays_dir")))
-    responses = [ex["response"] for ex in load_jsonl(dataset_cfg["path"])]
-    n_tokens = sum(len(tokenizer(r, add_special_tokens=False).input_ids) + 1 for r in responses)
-    return n_tokens / sum(len(r.encode("utf-8")) for r in responses)
-
-
 def token_counting_data_spec(dataloader: DataLoader):
     """The train loader as a Composer ``DataSpec`` that counts loss-generating tokens.
 
@@ -158,3 +262,4 @@ def token_counting_data_spec(dataloader: DataLoader):
                 "loss_generating": int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())}
 
     return DataSpec(dataloader, get_num_tokens_in_batch=num_tokens)
+

@@ -1,12 +1,10 @@
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from llm.data import (
     EOS_TOKEN,
     UNK_TOKEN,
     build_char_tokenizer,
-    build_tokenizer,
     load_tokenizer,
     save_tokenizer,
     train_bpe_tokenizer,
@@ -78,27 +76,3 @@ def test_left_padding(kind, char_tokenizer, bpe_tokenizer, tmp_path):
     assert batch["input_ids"].tolist() == [[0] * (n - 1) + tok("a")["input_ids"], long_ids]
     assert batch["attention_mask"].tolist() == [[0] * (n - 1) + [1], [1] * n]
     assert tok.batch_decode(batch["input_ids"], skip_special_tokens=True) == texts
-
-
-def test_build_tokenizer_from_config(train_text):
-    text = train_text[:50_000]
-    assert len(build_tokenizer({"kind": "bpe", "vocab_size": 300}, text)) == 300
-    char = build_tokenizer(OmegaConf.create({"kind": "char"}), text)
-    assert char.get_vocab() == build_char_tokenizer(text).get_vocab()
-
-
-@pytest.mark.parametrize(
-    "cfg, match",
-    [
-        ({"kind": "word"}, "tokenizer.kind must be one of .'bpe', 'char'."),
-        ({}, "tokenizer.kind"),
-        ({"kind": "bpe"}, "tokenizer.vocab_size"),
-        ({"kind": "bpe", "vocab_size": "512"}, "tokenizer.vocab_size"),
-        ({"kind": "bpe", "vocab_size": 100}, "at least 257"),
-        ({"kind": "char", "vocab_size": 512}, r"\['vocab_size'\].*allowed: \['kind'\]"),
-        ({"kind": "bpe", "vocab_size": 512, "lowercase": True}, "lowercase"),
-    ],
-)
-def test_build_tokenizer_bad_config(cfg, match):
-    with pytest.raises(ValueError, match=match):
-        build_tokenizer(cfg, "some text")

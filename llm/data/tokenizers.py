@@ -1,0 +1,283 @@
+"""Tokenizers for data preparation: load one from a spec or train one on streamed documents, save
+it next to the shards with a hash of its definition (so corpora prepared separately with the same
+tokenizer can be recognised as mixable), and encode batches of documents in parallel processes.
+
+A spec is a ``tokenizer.json`` file, a transformers tokenizer folder, a model bundle written by
+``MosaicGPT.save_pretrained(dir, tokenizer=...)``, a prepared dataset folder (its tokenizer), a
+registered pretrained name or a ``.gguf`` file (see :func:`llm.convert.registry.load_tokenizer`),
+or ``bpe:VOCAB_SIZE`` / ``char`` to train one (as :mod:`llm.data.tokenizer` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from llm.convert.registry import PRETRAINED
+from llm.convert.registry import load_tokenizer as load_registered_tokenizer
+from llm.data.sources import DataError
+from llm.data.tokenizer import _MIN_BPE_VOCAB, EOS_TOKEN, _wrap, build_char_tokenizer
+from llm.io import atomic_write
+
+INFO_FILE = "llm_tokenizer.json"
+SPEC_FORMS = ("a tokenizer.json file, a transformers tokenizer folder, a model bundle folder, a prepared "
+              f"dataset folder, a registered name ({', '.join(PRETRAINED)}), a .gguf file, bpe:VOCAB_SIZE "
+              "or char")
+# A bare tokenizer.json names no eos token: the first of these in its vocabulary is taken as one.
+EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+_SPECIAL_ROLES = ("eos_token", "bos_token", "pad_token", "unk_token")
+T = TypeVar("T")
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def trained_spec(spec: str) -> tuple[str, int | None] | None:
+    """``("bpe", vocab_size)`` for ``bpe:VOCAB_SIZE``, ``("char", None)`` for ``char``, None for
+    a spec to load. Raises DataError for ``bpe`` without a valid size (at least 257)."""
+    if spec == "char":
+        return "char", None
+    if spec == "bpe" or spec.startswith("bpe:"):
+        size = spec.partition(":")[2]
+        if not size.isdigit() or int(size) < _MIN_BPE_VOCAB:
+            raise DataError(f"tokenizer spec {spec!r}: bpe needs an integer vocabulary size of at least "
+                            f"{_MIN_BPE_VOCAB} (256 bytes + {EOS_TOKEN}), as in bpe:8192")
+        return "bpe", int(size)
+    return None
+
+
+def load_tokenizer_spec(spec: str) -> PreTrainedTokenizerFast:
+    """Load the tokenizer ``spec`` names (any form but ``bpe:N`` / ``char``, see the module doc).
+
+    An existing path wins over a registered name. A bare ``tokenizer.json`` takes as eos token
+    the first of :data:`EOS_CANDIDATES` in its vocabulary.
+
+    Raises:
+        DataError: naming the spec and the allowed forms, for a spec that is not found or cannot
+            be loaded, or a tokenizer without an end-of-text (eos) token.
+    """
+    path = Path(spec)
+    if not path.exists() and spec not in PRETRAINED:
+        raise DataError(f"cannot load tokenizer {spec!r}: no such file or folder, and not a registered "
+                        f"name; --tokenizer takes {SPEC_FORMS}")
+    try:
+        if path.is_file() and path.suffix.lower() == ".json":
+            tokenizer = _from_tokenizer_file(path)
+        elif path.is_dir():
+            tokenizer = _from_folder(path / "tokenizer" if (path / "llm_data.json").is_file() else path)
+        else:  # a .gguf file or a registered name
+            tokenizer = load_registered_tokenizer(spec)
+    except DataError:
+        raise
+    except Exception as e:  # transformers, tokenizers and gguf raise many kinds: all mean a bad spec
+        reason = " ".join(str(e).split())[:300]
+        raise DataError(f"cannot load tokenizer {spec!r} ({type(e).__name__}: {reason}); --tokenizer takes "
+                        f"{SPEC_FORMS}") from None
+    eos_token_id(tokenizer, spec)
+    return tokenizer
+
+
+def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
+    backend = Tokenizer.from_file(str(path))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    eos = next((token for token in EOS_CANDIDATES if token in vocab), None)
+    if eos is None:
+        raise DataError(f"tokenizer {str(path)!r} has no end-of-text token: a bare tokenizer.json names "
+                        f"none and none of {list(EOS_CANDIDATES)} is in its vocabulary; pass its "
+                        "transformers folder (whose tokenizer_config.json names eos_token) instead")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, clean_up_tokenization_spaces=False)
+
+
+def _from_folder(path: Path) -> PreTrainedTokenizerFast:
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise DataError(f"cannot load tokenizer {str(path)!r}: the folder holds no tokenizer.json or "
+                        f"tokenizer_config.json; --tokenizer takes {SPEC_FORMS}")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise DataError(f"tokenizer folder {str(path)!r} gives a slow (Python) tokenizer, "
+                        f"{type(tokenizer).__name__}; preparation needs a fast one (with tokenizer.json)")
+    return tokenizer
+
+
+def train_tokenizer(spec: str, texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """Train the tokenizer ``spec`` asks for (``bpe:VOCAB_SIZE`` or ``char``) on ``texts``,
+    consumed once as a stream; nothing holds the whole corpus.
+
+    ``bpe:N`` is :func:`llm.data.tokenizer.train_bpe_tokenizer`'s byte-level BPE trained with
+    ``Tokenizer.train_from_iterator``; ``char`` is :func:`llm.data.tokenizer.build_char_tokenizer`
+    over the set of characters seen. Both have ``<|endoftext|>`` as eos (and bos and pad).
+    Deterministic for the same texts in the same order. Raises DataError for another spec.
+    """
+    kind = trained_spec(spec)
+    if kind is None:
+        raise DataError(f"tokenizer spec {spec!r} names a tokenizer to load, not one to train (bpe:N or char)")
+    if kind[0] == "char":
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return build_char_tokenizer("".join(sorted(chars)))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=kind[1], special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return _wrap(tokenizer)
+
+
+def eos_token_id(tokenizer: PreTrainedTokenizerFast, spec: str = "") -> int:
+    """The id of the tokenizer's end-of-text token (its ``eos_token``), which ends every document.
+
+    Raises DataError (naming ``spec``) if it has none."""
+    token = tokenizer.special_tokens_map.get("eos_token")
+    index = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+    if index is None:
+        raise DataError(f"tokenizer {spec!r} has no end-of-text (eos) token, which preparation puts after "
+                        "every document; use a tokenizer that defines eos_token, or bpe:N / char")
+    return int(index)
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
+    """SHA-256 (hex) of the tokenizer's canonical definition: the backend tokenizer's JSON
+    (``to_str()``, keys sorted, without its padding and truncation settings, which belong to a call
+    rather than to the vocabulary) and its eos / bos / pad / unk tokens.
+
+    Two tokenizers with the same hash give the same ids for any text, so their data can be mixed."""
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    definition.pop("padding", None)
+    definition.pop("truncation", None)
+    specials = {role: tokenizer.special_tokens_map.get(role) for role in _SPECIAL_ROLES}
+    canonical = json.dumps({"tokenizer": definition, "special_tokens": specials}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def save_prepared_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | os.PathLike, spec: str) -> dict:
+    """Save ``tokenizer`` to ``directory`` as a transformers folder plus :data:`INFO_FILE`
+    ``{"hash", "spec", "vocab_size", "eos_token_id"}``, and return that dict.
+
+    The hash is that of the tokenizer read back from ``directory``, so it is what anyone loading
+    the folder (e.g. ``--tokenizer DIR/tokenizer``) gets."""
+    directory = Path(directory)
+    tokenizer.save_pretrained(str(directory))
+    saved = _from_folder(directory)
+    info = {"hash": tokenizer_hash(saved), "spec": spec, "vocab_size": len(saved),
+            "eos_token_id": eos_token_id(saved, spec)}
+    atomic_write(directory / INFO_FILE, lambda tmp: _write_info(Path(tmp), info))
+    return info
+
+
+def _write_info(path: Path, info: dict) -> None:
+    path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    os.chmod(path, 0o666 & ~_UMASK)  # atomic_write's temporary files are private (0600)
+
+
+def load_prepared_tokenizer(directory: str | os.PathLike) -> tuple[PreTrainedTokenizerFast, dict]:
+    """The tokenizer saved by :func:`save_prepared_tokenizer` in ``directory`` and its info dict.
+
+    Raises:
+        DataError: if ``directory`` holds no :data:`INFO_FILE`, or the tokenizer's hash differs
+            from the recorded one (it was changed after preparation).
+    """
+    directory = Path(directory)
+    info_file = directory / INFO_FILE
+    if not info_file.is_file():
+        raise DataError(f"no {INFO_FILE} in {directory}: not a tokenizer saved by data preparation")
+    info = json.loads(info_file.read_text(encoding="utf-8"))
+    tokenizer = _from_folder(directory)
+    if tokenizer_hash(tokenizer) != info["hash"]:
+        raise DataError(f"the tokenizer in {directory} changed after preparation: its hash differs from "
+                        f"the one in {INFO_FILE}")
+    return tokenizer, info
+
+
+class BatchEncoder:
+    """Encodes batches of texts into token ids, each text followed by the tokenizer's eos id, in
+    ``workers`` processes (1: in this process), always in the order given.
+
+    Use it as a context manager: entering forks the worker pool, leaving stops it. The backend
+    tokenizer encodes without special tokens and without any saved padding or truncation.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, workers: int = 1):
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        # Padding or truncation settings saved with a tokenizer would change the ids of a batch.
+        backend.no_padding()
+        backend.no_truncation()
+        self._args = (backend.to_str(), eos_token_id(tokenizer))
+        self._encode = _Encode(*self._args)
+        self.workers = workers
+        self._pool = None
+
+    def __enter__(self) -> "BatchEncoder":
+        if self.workers > 1:
+            # One thread per worker (the workers already fill the CPUs); set for the fork, it also
+            # stops tokenizers warning that its threads were used before forking.
+            previous = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            try:
+                method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+                self._pool = multiprocessing.get_context(method).Pool(self.workers, _init_worker, self._args)
+            finally:
+                if previous is None:
+                    del os.environ["TOKENIZERS_PARALLELISM"]
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def map(self, batches: Iterable[tuple[list[str], T]]) -> Iterator[tuple[np.ndarray, T]]:
+        """For each ``(texts, tag)`` of ``batches``, ``(ids, tag)``: ``ids`` a 1-D uint32 array of
+        every text's tokens followed by eos. At most two batches per worker are in flight, so memory
+        stays bounded (``Pool.imap``'s feeder thread would read all of ``batches`` ahead)."""
+        if self._pool is None:
+            for texts, tag in batches:
+                yield self._encode(texts), tag
+            return
+        window: deque = deque()
+        for texts, tag in batches:
+            window.append((self._pool.apply_async(_encode_in_worker, (texts,)), tag))
+            if len(window) > 2 * self.workers:
+                result, tag = window.popleft()
+                yield result.get(), tag
+        while window:
+            result, tag = window.popleft()
+            yield result.get(), tag
+
+
+class _Encode:
+    def __init__(self, definition: str, eos: int):
+        self.backend, self.eos = Tokenizer.from_str(definition), eos
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        ids = []
+        # encode_batch_fast: encode_batch's ids without computing character offsets (about 1.5x faster).
+        for encoding in self.backend.encode_batch_fast(texts, add_special_tokens=False):
+            ids.extend(encoding.ids)
+            ids.append(self.eos)
+        return np.array(ids, dtype=np.uint32)
+
+
+_worker_encode: _Encode | None = None  # set in each worker process by _init_worker
+
+
+def _init_worker(definition: str, eos: int) -> None:
+    global _worker_encode
+    _worker_encode = _Encode(definition, eos)
+
+
+def _encode_in_worker(texts: list[str]) -> np.ndarray:
+    return _worker_encode(texts)
