@@ -3,11 +3,11 @@
 from llm.cache import Cache, DynamicCache, StaticCache
 from llm.config import MosaicGPTConfig
 from llm.convert.registry import load_tokenizer
-from llm.generation import GenerateOutput, generate, stream
+from llm.generation import GenerateOutput, GenerationConfig, generate, stream
 from llm.layers.attention import scaled_multihead_dot_product_attention
 from llm.model import CausalLMOutput, MosaicGPT
 
 __all__ = [
-    "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "MosaicGPT", "MosaicGPTConfig",
+    "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "GenerationConfig", "MosaicGPT", "MosaicGPTConfig",
     "StaticCache", "generate", "load_tokenizer", "scaled_multihead_dot_product_attention", "stream",
 ]

@@ -9,10 +9,17 @@ A small, explicit interface after transformers' ``cache_utils.py``:
 Both store, per layer, keys and values shaped (batch, kv_n_heads, capacity, head_dim), of which
 the first :meth:`Cache.get_seq_length` positions are valid. Cropping (speculative decoding's
 rollback) only moves that length; the next write overwrites what was cut.
+
+A cache saved to a file records the model that made it (:meth:`MosaicGPT.identity
+<llm.model.MosaicGPT.identity>`) and its tokenizer (:func:`tokenizer_digest`), so that loading it
+for another model, even one of the same shape (the same model trained further, a fine-tuned
+one), is refused instead of silently changing the output.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Iterator, Sequence
 
@@ -166,38 +173,67 @@ class Cache:
         return cache
 
     # -- files ----------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
+    def save(self, path: str | os.PathLike, metadata: dict | None = None, *, model=None, tokenizer=None) -> None:
         """Write the cached positions to ``path`` (``torch.save`` format), atomically.
 
-        ``metadata`` (plain ints, floats, strings, lists and dicts; e.g. the token ids the cache
-        holds) is stored alongside and comes back as :attr:`metadata` from :meth:`load`.
+        Args:
+            path: the file; written under a temporary name, then renamed.
+            metadata: plain ints, floats, strings, lists and dicts (e.g. the token ids the cache
+                holds), stored alongside; they come back as :attr:`metadata` from :meth:`load`.
+            model: the model that made the cache: its :meth:`~llm.model.MosaicGPT.identity` is
+                recorded, for :meth:`load` to refuse the file for any other model.
+            tokenizer: the tokenizer of the cached token ids: its :func:`tokenizer_digest` is
+                recorded, for :meth:`load` to refuse the file for another tokenizer.
         """
         state = {
             "format": _FORMAT,
             "metadata": metadata or {},
             "class": type(self).__name__,
             "max_cache_len": self.get_max_length(),
+            "model_identity": model.identity() if model is not None else None,
+            "tokenizer": tokenizer_digest(tokenizer) if tokenizer is not None else None,
             "keys": [k.contiguous() for k, _ in self],
             "values": [v.contiguous() for _, v in self],
         }
         atomic_write(path, lambda tmp: torch.save(state, tmp))
 
     @staticmethod
-    def load(path: str | os.PathLike, device: torch.device | str | None = None) -> "Cache":
+    def load(
+        path: str | os.PathLike, device: torch.device | str | None = None, *, model=None, tokenizer=None
+    ) -> "Cache":
         """Read a cache written by :meth:`save`, as the class it was saved from.
 
+        Args:
+            path: the file.
+            device: where to put the tensors; default: ``model``'s device if given, else where
+                they were saved from.
+            model: the model that is to use the cache: the file must have been saved with
+                ``model=`` this same model (same :meth:`~llm.model.MosaicGPT.identity`: config
+                and weights) and fit its dtype and shapes.
+            tokenizer: the tokenizer that is to extend the cached token ids: the file must have
+                been saved with ``tokenizer=`` one of the same :func:`tokenizer_digest`.
+
         Raises:
-            FileNotFoundError: if there is no such file.
-            ValueError: if the file is not a cache written by :meth:`save` (corrupt or foreign).
+            OSError: if the file cannot be read (FileNotFoundError: there is no such file).
+            ValueError: one line naming the file: that it is not a readable cache (truncated,
+                corrupt or foreign); or, given ``model`` / ``tokenizer``, everything that does not
+                match them: model identity (also when the file records none), tokenizer (likewise),
+                dtype, layer count, key/value heads, head size.
         """
+        if device is None and model is not None:
+            device = model.device
         try:
             state = torch.load(path, map_location=device, weights_only=True)
-        except FileNotFoundError:
+        except OSError:  # no such file, no permission: not the file's fault
             raise
         except Exception as err:
-            raise ValueError(f"{path} is not a readable cache file: {err}") from err
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            # not torch's message: for a pickle of something else it advises weights_only=False
+            raise ValueError(f"{path} is not a readable cache file (truncated or corrupt)") from err
+        if not _is_cache_state(state):
             raise ValueError(f"{path} is not a cache file written by llm.Cache.save")
+        problems = _mismatches(state, model, tokenizer)
+        if problems:
+            raise ValueError(f"{path} was made by another model or tokenizer: " + "; ".join(problems))
         if state["class"] == "StaticCache":
             batch_size = state["keys"][0].shape[0] if state["keys"] else None
             cache: Cache = StaticCache(None, batch_size, state["max_cache_len"])
@@ -205,7 +241,7 @@ class Cache:
             cache = DynamicCache()
         for i, (k, v) in enumerate(zip(state["keys"], state["values"])):
             cache.update(k, v, i)
-        cache.metadata = state.get("metadata", {})
+        cache.metadata = state["metadata"]
         return cache
 
     # -- storage, specialised by subclasses ------------------------------------------------------
@@ -221,6 +257,67 @@ class Cache:
     def __repr__(self) -> str:
         shape = tuple(self._keys[0].shape) if self._keys else None
         return f"{type(self).__name__}(layers={len(self)}, seq_length={self.get_seq_length()}, storage={shape})"
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """SHA-256 (hex) of what decides a tokenizer's token ids.
+
+    Args:
+        tokenizer: a transformers fast tokenizer or a ``tokenizers.Tokenizer``.
+
+    Returns:
+        The digest of its ``tokenizer.json`` (vocabulary, merges, normalizer, pre-tokenizer,
+        added tokens, post-processor) without the padding and truncation settings, which
+        transformers rewrites whenever the tokenizer is called with other ones.
+    """
+    spec = json.loads(getattr(tokenizer, "backend_tokenizer", tokenizer).to_str())
+    spec.pop("padding", None)
+    spec.pop("truncation", None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _is_cache_state(state) -> bool:
+    """Whether ``state`` (what torch.load read) has the layout :meth:`Cache.save` writes."""
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        return False
+    keys, values = state.get("keys"), state.get("values")
+    return (
+        state.get("class") in ("DynamicCache", "StaticCache")
+        and isinstance(state.get("metadata"), dict)
+        and isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values)
+        and all(isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4 and k.shape == v.shape
+                for k, v in zip(keys, values))
+    )
+
+
+def _mismatches(state: dict, model, tokenizer) -> list[str]:
+    """What keeps a saved cache (``state``, see :meth:`Cache.save`) from serving ``model`` and
+    ``tokenizer`` (either may be None: not checked); one phrase per mismatch."""
+    problems = []
+    if model is not None:
+        # files saved before identities were recorded hold none (.get): unknown, so refused
+        saved, identity = state.get("model_identity"), model.identity()
+        if saved is None:
+            problems.append("it records no model identity (saved without model=)")
+        elif saved != identity:
+            problems.append(f"its model identity is {saved[:12]}, this model's {identity[:12]}")
+        if state["keys"]:
+            k, config = state["keys"][0], model.config
+            for what, have, want in (
+                ("dtype", k.dtype, model.dtype),
+                ("layers", len(state["keys"]), config.n_layers),
+                ("key/value heads", k.shape[1], config.kv_n_heads),
+                ("head size", k.shape[3], config.head_dim),
+            ):
+                if have != want:
+                    problems.append(f"its {what} is {have}, this model's {want}")
+    if tokenizer is not None:
+        saved, digest = state.get("tokenizer"), tokenizer_digest(tokenizer)
+        if saved is None:
+            problems.append("it records no tokenizer (saved without tokenizer=)")
+        elif saved != digest:
+            problems.append(f"its tokenizer is {saved[:12]}, this one's {digest[:12]}")
+    return problems
 
 
 def _empty(like: torch.Tensor, capacity: int, batch: int | None = None) -> torch.Tensor:

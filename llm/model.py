@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from llm.cache import Cache, DynamicCache
-from llm.config import MosaicGPTConfig
-from llm.generation import generate, stream
+from llm.config import FLOAT_KEYS, MosaicGPTConfig
+from llm.generation import GENERATION_CONFIG_FILE, GenerationConfig, generate, stream
+from llm.generation.decoding import check_token_ids
 from llm.io import atomic_write, shape_mismatches
 from llm.layers.blocks import MosaicGPTBlock
 from llm.layers.linear import Linear, linear
@@ -23,6 +27,21 @@ from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, posi
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
+#: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
+WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of a state dict: every tensor's name, dtype, shape and bytes, in key order.
+
+    Costs a pass over the weights, on the CPU: about a second for SmolLM2-135M's 540 MB of float32 here.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -43,8 +62,13 @@ class MosaicGPT(nn.Module):
     """A MosaicGPT decoder-only transformer (after llm-foundry's MPT and nanoGPT's GPT).
 
     Its forward accepts any number of new tokens on top of a KV cache (prefill, one token,
-    speculative chunks), ``inputs_embeds`` instead of ``input_ids``, and left-padded batches,
-    and always equals the uncached forward of the whole sequence.
+    speculative chunks), ``inputs_embeds`` instead of ``input_ids``, and padded batches, and
+    always equals the uncached forward of the whole sequence.
+
+    Attributes:
+        generation_config: the :class:`~llm.generation.GenerationConfig` that ``generate`` and
+            ``stream`` use unless given another (as transformers' ``model.generation_config``):
+            the defaults, or what :meth:`from_pretrained` found for the model.
     """
 
     def __init__(self, config: MosaicGPTConfig):
@@ -57,6 +81,9 @@ class MosaicGPT(nn.Module):
         self.norm_f = build_norm(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None
+        self.generation_config = GenerationConfig()
+        # (version key of the weights, their weights_digest) once known; see identity()
+        self._digest: tuple[tuple, str] | None = None
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections into the residual stream (Radford et al. 2019).
         for name, param in self.named_parameters():
@@ -80,6 +107,48 @@ class MosaicGPT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.wte.weight.dtype
+
+    def identity(self) -> str:
+        """SHA-256 (hex) of this model's config and weights: which model this is, e.g. for a saved
+        KV cache to be reused by the model that made it only (:meth:`llm.cache.Cache.load`).
+
+        The config counts without ``attn_impl`` (how attention is computed, not what); the
+        weights with their dtype (:func:`weights_digest`), so a cast model is another model. The
+        weights are hashed at the first call and the result remembered while every tensor of
+        the state dict keeps its autograd version counter and storage, and the model stays in
+        eval mode: an optimizer step, ``load_state_dict`` or a move gives a new identity.
+        Entering training mode forgets it (a fused optimizer's step does not count versions);
+        writes through ``param.data`` in eval mode are not seen. :meth:`from_pretrained` knows
+        a bundle's digest without hashing (:meth:`save_pretrained` stores it); a GGUF model is
+        hashed like a model built in memory, so it shares its identity with its saved bundle.
+        """
+        state = self.state_dict()
+        key = self._weights_key(state)
+        if self._digest is not None and self._digest[0] == key:
+            digest = self._digest[1]
+        else:
+            digest = weights_digest(state)
+            self._digest = None if self.training else (key, digest)
+        config = {k: float(v) if k in FLOAT_KEYS else v for k, v in self.config.to_dict().items() if k != "attn_impl"}
+        return hashlib.sha256(f"{json.dumps(config, sort_keys=True)}\n{digest}".encode()).hexdigest()
+
+    @staticmethod
+    def _weights_key(state: Mapping[str, torch.Tensor]) -> tuple:
+        """What changes when a weight is written in place, replaced or moved."""
+        # inference tensors keep no version counter; they can only be written in inference mode
+        return tuple((name, -1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device)
+                     for name, t in state.items())
+
+    def _remember_digest(self, digest: str) -> None:
+        """Take ``digest`` as the weights_digest of the weights as they are now (see :meth:`identity`)."""
+        self._digest = (self._weights_key(self.state_dict()), digest)
+
+    def train(self, mode: bool = True) -> "MosaicGPT":
+        """Set training mode (``mode``) or eval mode; training forgets the remembered weights
+        digest (see :meth:`identity`)."""
+        if mode:
+            self._digest = None
+        return super().train(mode)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (tied weights counted once)."""
@@ -123,7 +192,9 @@ class MosaicGPT(nn.Module):
             copied, never written in place).
 
         Raises:
-            ValueError: both or neither of input_ids / inputs_embeds; a mask or position shape
+            ValueError: both or neither of input_ids / inputs_embeds; a token id outside
+                [0, vocab_size) (naming it: the embedding would raise an IndexError, or index
+                out of bounds on a GPU); a mask or position shape
                 that does not match; a cache that does not fit the model or input (layers,
                 batch size, heads, head size, dtype, static room); with learned positions,
                 cached + new positions beyond max_seq_len.
@@ -133,6 +204,7 @@ class MosaicGPT(nn.Module):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+            check_token_ids(input_ids, self.config.vocab_size)
             x = self.wte(input_ids)
         else:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.d_model:
@@ -211,30 +283,39 @@ class MosaicGPT(nn.Module):
             cache = cache.to_legacy()
         return CausalLMOutput(logits=logits, past_key_values=cache)
 
-    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
-        """Decode new tokens; see :func:`llm.generation.generate` for every argument."""
+        """Decode new tokens, without autograd; see :func:`llm.generation.generate` for every argument."""
         return generate(self, input_ids, **kwargs)
 
-    @torch.no_grad()
     def stream(self, input_ids: torch.Tensor | None = None, **kwargs):
-        """Yield new tokens as they are decoded; see :func:`llm.generation.stream`."""
-        yield from stream(self, input_ids, **kwargs)
+        """Yield new tokens as they are decoded, without autograd; see :func:`llm.generation.stream`."""
+        return stream(self, input_ids, **kwargs)
 
     # -- files --------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike, tokenizer=None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer=None,
+                        generation_config: GenerationConfig | None = None) -> None:
         """Write ``config.yaml`` and ``model.safetensors`` (and the tokenizer, if given) to ``directory``.
 
-        Each file is written to a temporary name and renamed, so a crash never leaves a half
-        written file under the real name.
+        ``generation_config`` (default: ``self.generation_config``) goes to
+        ``generation_config.json`` unless it is all defaults, in which case an older such file is
+        removed, so that the folder's generation defaults are always this model's. Each file is
+        written to a temporary name and renamed, so a crash never leaves a half written file under
+        the real name. The weights' metadata holds their :func:`weights_digest` (hashed from the
+        very tensors written), from which :meth:`from_pretrained` knows the :meth:`identity`.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        metadata = {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(state)}
         atomic_write(directory / CONFIG_FILE, self.config.save)
-        atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata={"format": "pt"}))
+        atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
+        generation_config = generation_config if generation_config is not None else self.generation_config
+        if generation_config != GenerationConfig():
+            generation_config.to_json_file(directory / GENERATION_CONFIG_FILE)
+        else:
+            (directory / GENERATION_CONFIG_FILE).unlink(missing_ok=True)
 
     @classmethod
     def from_pretrained(
@@ -247,21 +328,27 @@ class MosaicGPT(nn.Module):
         """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
         a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
         a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.convert.registry`).
+        ``generation_config`` is the directory's ``generation_config.json`` if it has one, the
+        registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
 
         Raises:
             FileNotFoundError: if the directory, its config or its weights are missing, or the
                 GGUF file is (for a registered name: run ``make data``).
             ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
-                naming the file and the tensors that did not fit; for a GGUF file, also an
+                naming the file and the tensors that did not fit; if ``generation_config.json``
+                is not a valid generation config (naming it); for a GGUF file, also an
                 unsupported architecture or quantization type (see :func:`llm.convert.load_gguf`).
         """
-        from llm.convert.registry import PRETRAINED, resolve  # lazy: llm.convert imports this module
+        # lazy: llm.convert imports this module
+        from llm.convert.registry import PRETRAINED, load_generation_config, resolve
 
         kind, directory = resolve(name_or_path)
         if kind == "gguf":
             from llm.convert.gguf import load_gguf
 
-            return load_gguf(directory, dtype=dtype, device=device)
+            model = load_gguf(directory, dtype=dtype, device=device)
+            model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
+            return model
         if not directory.exists():
             raise FileNotFoundError(
                 f"no {CONFIG_FILE} in {directory}: no such directory, .gguf file or registered model "
@@ -272,7 +359,9 @@ class MosaicGPT(nn.Module):
                 raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")
         config = MosaicGPTConfig.load(directory / CONFIG_FILE)
         try:
-            state = load_file(str(directory / WEIGHTS_FILE))
+            with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as weights:
+                state = {name: weights.get_tensor(name) for name in weights.keys()}
+                stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
         except Exception as err:
             raise ValueError(f"cannot read weights {directory / WEIGHTS_FILE}: {err}") from err
         with torch.device("meta"):
@@ -281,4 +370,10 @@ class MosaicGPT(nn.Module):
         if problems:
             raise ValueError(f"weights in {directory / WEIGHTS_FILE} do not fit its config: " + "; ".join(problems[:10]))
         model.load_state_dict(state, assign=True)
-        return model.to(device=device, dtype=dtype).eval()
+        model.generation_config = load_generation_config(directory) or GenerationConfig()
+        model = model.to(device=device, dtype=dtype).eval()
+        # the stored digest is of the file's tensors: it stands for the model's unless dtype cast
+        # them (an older bundle has none: identity() hashes the weights when first asked)
+        if stored_digest is not None and all(t.dtype == state[k].dtype for k, t in model.state_dict().items()):
+            model._remember_digest(stored_digest)
+        return model

@@ -1,9 +1,15 @@
-"""The cache objects' interface: growth, crop, select, copy, files, legacy tuples and fit checks."""
+"""The cache objects' interface: growth, crop, select, copy, files (which know the model and
+tokenizer that made them), legacy tuples and fit checks; the model identity they rest on."""
+
+import argparse
+import string
 
 import pytest
 import torch
 
-from llm import Cache, DynamicCache, StaticCache
+import llm.model
+from llm import Cache, DynamicCache, MosaicGPT, StaticCache
+from llm.data import build_char_tokenizer
 from tests.conftest import tiny_model
 
 
@@ -61,15 +67,118 @@ def test_save_and_load_give_the_same_continuation(tmp_path, kind):
     assert torch.equal(a, b)
 
 
-def test_load_refuses_foreign_and_corrupt_files(tmp_path):
+@torch.no_grad()
+def test_load_refuses_foreign_and_corrupt_files_in_one_line(tmp_path):
     with pytest.raises(FileNotFoundError):
         Cache.load(tmp_path / "missing")
+    prefilled(tiny_model("alibi"), DynamicCache(), torch.randint(0, 61, (1, 6))).save(tmp_path / "good")
+    (tmp_path / "truncated").write_bytes((tmp_path / "good").read_bytes()[:300])
     (tmp_path / "junk").write_bytes(b"not a cache")
-    with pytest.raises(ValueError, match="junk is not a readable cache file"):
-        Cache.load(tmp_path / "junk")
+    torch.save(argparse.Namespace(keys=[]), tmp_path / "pickle")  # torch's refusal advises weights_only=False
+    for name in ("truncated", "junk", "pickle"):
+        with pytest.raises(ValueError) as err:
+            Cache.load(tmp_path / name)
+        assert str(err.value) == f"{tmp_path / name} is not a readable cache file (truncated or corrupt)"
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a cache file written by llm.Cache.save"):
         Cache.load(tmp_path / "other.pt")
+    torch.save({"format": "llm.cache/v1", "class": "DynamicCache", "metadata": {}, "keys": [torch.zeros(2)],
+                "values": [torch.zeros(2)]}, tmp_path / "damaged")
+    with pytest.raises(ValueError, match="damaged is not a cache file written by llm.Cache.save"):
+        Cache.load(tmp_path / "damaged")
+
+
+def twins():
+    """Two models of the same shape and config, other weights (as before and after fine-tuning)."""
+    return tiny_model("rope", seed=0), tiny_model("rope", seed=1)
+
+
+@torch.no_grad()
+def test_a_cache_from_another_model_of_the_same_shape_is_refused(tmp_path):
+    a, b = twins()
+    ids = torch.randint(0, 61, (1, 8))
+    prefilled(a, DynamicCache(), ids).save(tmp_path / "a.cache", model=a)
+    with pytest.raises(ValueError) as err:
+        Cache.load(tmp_path / "a.cache", model=b)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'a.cache'} was made by another model or tokenizer: ")
+    assert f"its model identity is {a.identity()[:12]}, this model's {b.identity()[:12]}" in message
+    assert "\n" not in message and "dtype" not in message and "layers" not in message  # only what differs
+    cache = Cache.load(tmp_path / "a.cache", model=a)
+    assert torch.equal(a(ids[:, :1], past_key_values=cache).logits,
+                       a(ids[:, :1], past_key_values=prefilled(a, DynamicCache(), ids)).logits)
+
+    # the config counts too (same weights), but not the attention implementation
+    assert tiny_model("rope", rope_theta=500.0).identity() != a.identity()
+    assert tiny_model("rope", attn_impl="sdpa").identity() == a.identity()
+
+    # a file saved without model= (as before identities were recorded) is unknown: refused
+    prefilled(a, DynamicCache(), ids).save(tmp_path / "anonymous.cache")
+    with pytest.raises(ValueError, match="it records no model identity"):
+        Cache.load(tmp_path / "anonymous.cache", model=a)
+    assert Cache.load(tmp_path / "anonymous.cache").get_seq_length() == 8  # unchecked without model=
+
+
+@torch.no_grad()
+def test_a_bundle_keeps_its_identity_without_rehashing(tmp_path, monkeypatch):
+    a, _ = twins()
+    prefilled(a, DynamicCache(), torch.randint(0, 61, (1, 5))).save(tmp_path / "a.cache", model=a)
+    a.save_pretrained(tmp_path / "a")
+
+    def no_hashing(state):
+        raise AssertionError("from_pretrained must take the digest save_pretrained stored")
+
+    monkeypatch.setattr(llm.model, "weights_digest", no_hashing)
+    loaded = MosaicGPT.from_pretrained(tmp_path / "a")
+    assert loaded.identity() == a.identity()
+    assert Cache.load(tmp_path / "a.cache", model=loaded).get_seq_length() == 5
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw-fused"])
+def test_a_model_trained_after_loading_gets_a_new_identity(tmp_path, optimizer):
+    a, _ = twins()
+    a.save_pretrained(tmp_path / "a")
+    model = MosaicGPT.from_pretrained(tmp_path / "a")
+    before = model.identity()
+    with torch.no_grad():
+        prefilled(model, DynamicCache(), torch.randint(0, 61, (1, 5))).save(tmp_path / "a.cache", model=model)
+    # a fused optimizer's step leaves the version counters as they were: training mode must do
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=0.1, fused=True))
+    model.train()
+    model(torch.randint(0, 61, (2, 8))).logits.square().mean().backward()
+    opt.step()
+    model.eval()
+    after = model.identity()
+    assert after != before
+    with pytest.raises(ValueError, match="its model identity is"):
+        Cache.load(tmp_path / "a.cache", model=model)
+    # an in-place write in eval mode is seen through the version counters
+    with torch.no_grad():
+        model.wte.weight[0, 0] += 1
+    assert model.identity() not in (before, after)
+
+
+@torch.no_grad()
+def test_tokenizer_and_dtype_mismatches_are_refused(tmp_path):
+    a, _ = twins()
+    chars = build_char_tokenizer(string.ascii_lowercase)
+    prefilled(a, DynamicCache(), torch.randint(0, 28, (1, 5))).save(tmp_path / "a.cache", model=a, tokenizer=chars)
+    chars.save_pretrained(tmp_path / "tokenizer")
+    reloaded = type(chars).from_pretrained(tmp_path / "tokenizer")
+    reloaded(["ab", "a"], padding=True)  # rewrites the backend's padding settings, not its token ids
+    assert Cache.load(tmp_path / "a.cache", model=a, tokenizer=reloaded).get_seq_length() == 5
+    with pytest.raises(ValueError, match="its tokenizer is [0-9a-f]{12}, this one's [0-9a-f]{12}"):
+        Cache.load(tmp_path / "a.cache", model=a, tokenizer=build_char_tokenizer(string.ascii_lowercase + "."))
+    prefilled(a, DynamicCache(), torch.randint(0, 28, (1, 5))).save(tmp_path / "no-tokenizer.cache", model=a)
+    with pytest.raises(ValueError, match="it records no tokenizer"):
+        Cache.load(tmp_path / "no-tokenizer.cache", tokenizer=chars)
+
+    a.save_pretrained(tmp_path / "a")
+    half = MosaicGPT.from_pretrained(tmp_path / "a", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="its dtype is torch.float32, this model's torch.bfloat16"):
+        Cache.load(tmp_path / "a.cache", model=half)
+    assert half.identity() != a.identity()  # a cast model is another model
 
 
 @torch.no_grad()

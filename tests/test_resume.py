@@ -180,7 +180,7 @@ def test_bad_checkpoints_name_the_file_and_what_did_not_fit(runs, tmp_path):
         check_checkpoint(tmp_path / "nope.pt", deeper)
 
 
-def test_train_repairs_a_half_written_checkpoint_by_itself(runs, tmp_path):
+def test_train_repairs_a_half_written_checkpoint_by_itself(runs, tmp_path, capfd):
     folder = tmp_path / "b"
     shutil.copytree(runs["b"]["save_folder"], folder, symlinks=True)
     good = (folder / "ep0-ba4-rank0.pt").read_bytes()
@@ -189,6 +189,9 @@ def test_train_repairs_a_half_written_checkpoint_by_itself(runs, tmp_path):
     result = train({**runs["b"], "save_folder": str(folder)})
     assert (result["start_batch"], result["batches"]) == (4, 10)
     assert (folder / "ep0-ba6-rank0.pt.incomplete").is_file() and is_complete_checkpoint(folder / "ep0-ba6-rank0.pt")
+    # The fall-back to an older checkpoint is said on stderr, naming both files.
+    assert (f"moved aside: ep0-ba6-rank0.pt -> ep0-ba6-rank0.pt.incomplete; resuming from the older "
+            f"{folder / 'ep0-ba4-rank0.pt'}") in capfd.readouterr().err
 
     # A load_path that does not fit is named, with what did not fit.
     cfg = {**runs["b"], "save_folder": str(tmp_path / "c"), "autoresume": False, "load_path": str(folder / "ep0-ba4-rank0.pt"),

@@ -4,7 +4,9 @@ Overrides use omegaconf's dotlist syntax (``max_duration=20ba model.n_layers=2
 train_loader.dataset.local=DIR``). The merged config is validated whole
 (:func:`llm.train.config.load_train_config`) before anything is read, written or trained; a bad
 config, a missing or unreadable file or a malformed override is one line on stderr,
-``train.py: error: <message>``, and exit status 2. The work is in :func:`llm.train.train`.
+``train.py: error: <message>``, and exit status 2; so is a run folder that another run holds, or
+that holds a run trained under other settings (:mod:`llm.train.run_folder`). The work is in
+:func:`llm.train.train`.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(error))
 
     from llm.train import train
+    from llm.train.run_folder import RunFolderError
 
     try:
         train(config.to_dict())
-    except ConfigError as error:  # a check that needs the data or tokenizer (e.g. model.vocab_size)
+    # ConfigError: a check that needs the data or tokenizer (e.g. model.vocab_size).
+    except (ConfigError, RunFolderError) as error:
         return _error(str(error))
     return 0
 

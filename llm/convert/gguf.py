@@ -330,8 +330,8 @@ def load_gguf(
 def gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a GGUF file, as a transformers ``PreTrainedTokenizerFast``.
 
-    It carries the vocabulary, merges, special tokens (bos / eos / unk / pad from
-    ``tokenizer.ggml.*_token_id``), whether to prepend BOS / append EOS
+    It pads on the left and carries the vocabulary, merges, special tokens (bos / eos / unk / pad
+    from ``tokenizer.ggml.*_token_id``), whether to prepend BOS / append EOS
     (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``) and the chat template
     (``tokenizer.chat_template``). Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``:
     SmolLM, Llama 3, ...) are rebuilt here with llama.cpp's pre-tokenizer regexes; SentencePiece
@@ -376,6 +376,7 @@ def gguf_tokenizer(path: str | os.PathLike):
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         model_input_names=["input_ids", "attention_mask"],
+        padding_side="left",  # where a batch of prompts for generation needs it
         clean_up_tokenization_spaces=False,
         **specials,
     )

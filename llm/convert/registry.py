@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from llm.generation.config import GENERATION_CONFIG_FILE, GenerationConfig
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Registered name -> GGUF file (relative to the repository root).
@@ -16,22 +18,30 @@ PRETRAINED = {
     "smollm2-135m-instruct": Path("models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
-#: Registered name -> the sampling settings its authors recommend (what transformers keeps in a
-#: model's generation_config.json); ``scripts/generate.py`` uses them unless told otherwise.
-#: SmolLM2: "temperature=0.2, top_p=0.9" (the SmolLM2-135M-Instruct model card). At the CLI's
-#: general default (temperature 0.8, no truncation) 4 of 12 seeds missed "Berlin" for "What is
-#: the capital of Germany?"; with these, none did.
+#: Registered name -> the generation settings its authors recommend, the model's
+#: ``generation_config`` when loaded by that name (what transformers keeps in a model's
+#: generation_config.json). SmolLM2: "temperature=0.2, top_p=0.9" with sampling (the
+#: SmolLM2-135M-Instruct model card). At the CLI's general default (temperature 0.8, no
+#: truncation) 4 of 12 seeds missed "Berlin" for "What is the capital of Germany?"; with these,
+#: none did.
 GENERATION_DEFAULTS = {
-    "smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9},
+    "smollm2-135m-instruct": GenerationConfig(do_sample=True, temperature=0.2, top_p=0.9),
 }
 
 
-def generation_defaults(name_or_path: str | os.PathLike) -> dict:
-    """The recommended sampling settings of a registered model (``temperature``, ``top_p``, ...);
-    {} for anything else."""
-    if isinstance(name_or_path, str) and not Path(name_or_path).exists():
-        return dict(GENERATION_DEFAULTS.get(name_or_path, {}))
-    return {}
+def load_generation_config(name_or_path: str | os.PathLike) -> GenerationConfig | None:
+    """The generation defaults that come with a model: a bundle directory's
+    ``generation_config.json``, else a registered name's ``GENERATION_DEFAULTS``; None for neither.
+
+    Raises:
+        ValueError: for a ``generation_config.json`` that is not a valid config (naming it).
+    """
+    path = Path(name_or_path)
+    if (path / GENERATION_CONFIG_FILE).is_file():
+        return GenerationConfig.from_json_file(path / GENERATION_CONFIG_FILE)
+    if not path.exists() and isinstance(name_or_path, str):
+        return GENERATION_DEFAULTS.get(name_or_path)
+    return None
 
 
 def registered_path(name: str) -> Path:

@@ -12,10 +12,12 @@ _MIN_BPE_VOCAB = 256 + 1  # every byte plus EOS_TOKEN
 
 def _wrap(tokenizer: Tokenizer, **special_tokens: str) -> PreTrainedTokenizerFast:
     # One token serves as eos, bos and pad, as in GPT-2; no cleanup so decode inverts encode;
-    # no token_type_ids, which a decoder-only model does not take.
+    # no token_type_ids, which a decoder-only model does not take; padding on the left, where a
+    # batch of prompts for generation needs it (transformers' default is the right).
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         model_input_names=["input_ids", "attention_mask"],
+        padding_side="left",
         eos_token=EOS_TOKEN,
         bos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
@@ -68,10 +70,10 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) ->
 
 
 def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
-    """Load a tokenizer saved by `save_tokenizer`.
+    """Load a tokenizer saved by `save_tokenizer`; it pads on the left, whatever the folder says.
 
     Raises FileNotFoundError if `directory` holds no `tokenizer.json`.
     """
     if not (Path(directory) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer in {directory} (expected tokenizer.json written by save_tokenizer)")
-    return PreTrainedTokenizerFast.from_pretrained(directory)
+    return PreTrainedTokenizerFast.from_pretrained(directory, padding_side="left")

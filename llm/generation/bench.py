@@ -86,9 +86,11 @@ def speculative_table(model, tokenizer, draft, *, chat: bool, new_tokens: int, r
         modes = {"greedy": {}, "lookup": dict(prompt_lookup_num_tokens=lookup_tokens, max_matching_ngram_size=3)}
         if draft is not None:
             modes["draft"] = dict(assistant_model=draft, num_assistant_tokens=draft_tokens)
-        # the modes take turns, so that a slow spell of the machine does not fall on one of them
+        # the modes take turns, so that a slow spell of the machine does not fall on one of them; all
+        # greedy (a registered model's generation_config may sample), so their tokens must agree
         timed = _timed_interleaved([
-            lambda extra=extra: generate(model, ids, max_new_tokens=new_tokens, return_dict_in_generate=True, **extra)
+            lambda extra=extra: generate(model, ids, max_new_tokens=new_tokens, do_sample=False,
+                                         return_dict_in_generate=True, **extra)
             for extra in modes.values()
         ], repeats)
         reference = None
@@ -120,7 +122,7 @@ def transformers_table(model, hf_model, tokenizer, *, new_tokens: int, repeats: 
         for cache_kind in ("dynamic", "static"):
             def ours(n):
                 cache = StaticCache(model.config, batch, total) if cache_kind == "static" else None
-                return generate(model, ids, past_key_values=cache, max_new_tokens=n)
+                return generate(model, ids, past_key_values=cache, max_new_tokens=n, do_sample=False)
 
             def theirs(n):
                 cache = (HFStaticCache(config=hf_model.config, max_batch_size=batch, max_cache_len=total)

@@ -1,61 +1,111 @@
 """``scripts/generate.py``: sample from a saved or registered model on the command line.
 
 Completions go to stdout; prefill and decode speeds and the draft acceptance rate go to stderr.
-A bad flag value or input exits with status 2 and a one-line message, not a traceback.
+A bad flag value or input exits with status 2 and a one-line message (``generate.py: error:
+...``), not a usage block or a traceback. Decoding options are checked by ``GenerationConfig``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.convert.registry import generation_defaults, load_tokenizer
+from llm.convert.registry import load_generation_config, load_tokenizer
+from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TEMPERATURE = 0.8
+# flags that set a sampling option (GenerationConfig's name -> flag), for the greedy warning
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``generate.py: error: ...``, with exit status 2 and
+    without the usage block (``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
+
+
+def _option(name: str | None, parse=int, minimum: int = 1):
+    """An argparse type: ``parse`` (int or float) the text, then check it as GenerationConfig's
+    option ``name`` (or, with ``name=None``, as an integer >= ``minimum``)."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if parse is int else 'a number'}, got {text!r}") from None
+        if name is None:
+            if value < minimum:
+                raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+            return value
+        try:
+            GenerationConfig(do_sample=True, **{name: value})  # do_sample: no greedy warning here
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix(f"{name} ")) from None
+        return value
+
+    return convert
+
+
+def _device(text: str) -> torch.device:
+    """An argparse type: a torch device that exists and works on this machine."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError("'meta' holds no weights; use cpu, cuda, cuda:N or mps")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("device 'mps' is not available on this machine (it needs Apple silicon)")
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # by backend: RuntimeError, AssertionError, NotImplementedError, ...
+        reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0]
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine ({reason})") from None
+    return device
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/generate.py", description=__doc__.splitlines()[0])
+    p = _Parser(prog="generate.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--system", help="a system prompt / shared prefix, computed once and reused for every prompt")
-    p.add_argument("--prompt-cache", type=Path, help="file holding the --system prefix's KV cache (made if absent)")
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--max-new-tokens", type=_positive_int, default=100)
-    p.add_argument("--temperature", type=float,
-                   help=f"0 for greedy decoding (default: the registered model's recommended setting, "
-                        f"else {DEFAULT_TEMPERATURE})")
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float, help="(default: the registered model's recommended setting, else none)")
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--prompt-cache", type=Path,
+                   help="file holding the --system prefix's KV cache (made if absent; remade, saying so, if it "
+                        "is unreadable or from another model, tokenizer or dtype)")
+    p.add_argument("--batch-size", type=_option(None), default=8)
+    p.add_argument("--max-new-tokens", type=_option("max_new_tokens"), default=100)
+    p.add_argument("--temperature", type=_option("temperature", float),
+                   help=f"0 for greedy decoding (default: the model's generation config, i.e. its "
+                        f"generation_config.json or a registered model's recommended settings, else "
+                        f"sampling at {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-k", type=_option("top_k"))
+    p.add_argument("--top-p", type=_option("top_p", float), help="(default: the model's generation config, else none)")
+    p.add_argument("--min-p", type=_option("min_p", float))
+    p.add_argument("--repetition-penalty", type=_option("repetition_penalty", float))
+    p.add_argument("--seed", type=_option("seed"))
     p.add_argument("--stop", action="append", help="stop a completion at this string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--speculative", choices=["none", "lookup", "draft"], default="none",
                    help="lookup: copy drafts from the prompt (LLMA); draft: a smaller --draft-model")
     p.add_argument("--draft-model", help="the draft model for --speculative draft")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=5)
+    p.add_argument("--num-speculative-tokens", type=_option("num_assistant_tokens"), default=5)
     p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
                    help="heuristic: adapt the draft length and draft only while it pays; constant: always "
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     return p
 
@@ -63,9 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _prompts(args, parser) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        if not args.prompts_file.is_file():
-            parser.error(f"--prompts-file {args.prompts_file} does not exist")
-        prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        path = args.prompts_file
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            parser.error(f"--prompts-file {path}: {err.strerror or err}")
+        try:
+            text = data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is no prompt text
+        except UnicodeDecodeError as err:
+            parser.error(f"--prompts-file {path} is not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset "
+                         f"{err.start} ({err.reason})")
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         parser.error("give at least one --prompt or a --prompts-file")
     return prompts
@@ -88,20 +146,28 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
 
 
-def _prefix_cache(model, prefix: list[int], path: Path | None) -> Cache | None:
-    """The KV cache of the shared prefix: loaded from ``path`` if it holds this prefix, else computed."""
+def _prefix_cache(model, tokenizer, prefix: list[int], path: Path | None) -> Cache | None:
+    """The KV cache of the shared prefix: loaded from ``path`` if it holds this prefix, made by this
+    model and tokenizer, else computed (and written to ``path``). A file that is not a readable
+    cache, or comes from another model (same shape or not), tokenizer or dtype, or holds another
+    prefix, is recomputed and overwritten, with one line on stderr saying which file and why; never
+    an error, as the --system text that --prompt-cache requires is always there to recompute from."""
     if not prefix:
         return None
     if path is not None and path.is_file():
-        cache = Cache.load(path, device=model.device)
-        if cache.metadata.get("token_ids") == prefix:
-            return cache
-        print(f"{path} holds another prefix: recomputing it", file=sys.stderr)
+        try:
+            cache = Cache.load(path, model=model, tokenizer=tokenizer)
+        except ValueError as err:  # the message names the file and what does not match
+            print(f"{err}: recomputing the prefix", file=sys.stderr)
+        else:
+            if cache.metadata.get("token_ids") == prefix:
+                return cache
+            print(f"{path} holds another prefix: recomputing it", file=sys.stderr)
     cache = DynamicCache()
     with torch.no_grad():
         model(torch.tensor([prefix], device=model.device), past_key_values=cache)
     if path is not None:
-        cache.save(path, metadata={"token_ids": prefix})
+        cache.save(path, metadata={"token_ids": prefix}, model=model, tokenizer=tokenizer)
     return cache
 
 
@@ -125,6 +191,45 @@ class _Printer:
         print(flush=True)
 
 
+def _generation_config(args, tokenizer, prog: str) -> GenerationConfig:
+    """The model's generation config (its generation_config.json, or a registered model's
+    recommended settings), else sampling at DEFAULT_TEMPERATURE; the flags override either.
+
+    Prints one warning line when greedy decoding ignores a sampling flag.
+
+    Raises:
+        ValueError: for options that GenerationConfig refuses (or a bad generation_config.json).
+    """
+    base = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=DEFAULT_TEMPERATURE)
+    flags = {name: getattr(args, name) for name in (*SAMPLING_FLAGS, "repetition_penalty", "seed")
+             if getattr(args, name) is not None}
+    if args.temperature is not None:
+        flags["do_sample"] = args.temperature > 0
+    overrides = dict(flags, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
+    # the model's eos and pad ids if its generation config has them, else the tokenizer's
+    if base.eos_token_id is None:
+        overrides["eos_token_id"] = tokenizer.eos_token_id
+    if base.pad_token_id is None:
+        overrides["pad_token_id"] = tokenizer.pad_token_id
+    if args.stop:
+        overrides["stop_strings"] = args.stop
+    if args.speculative != "none":
+        overrides["num_assistant_tokens_schedule"] = args.speculative_schedule
+    if args.speculative == "lookup":
+        overrides.update(prompt_lookup_num_tokens=args.num_speculative_tokens, max_matching_ngram_size=3)
+    elif args.speculative == "draft":
+        overrides["num_assistant_tokens"] = args.num_speculative_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said below, in the flags' own names
+        options = base.update(**overrides)
+    ignored = [name for name in options.ignored_sampling_options() if name in flags]
+    if ignored:
+        why = "--temperature 0" if args.temperature == 0 else "the model's generation config has do_sample=false"
+        listed = ", ".join(f"{SAMPLING_FLAGS[name]} {flags[name]}" for name in ignored)
+        print(f"{prog}: warning: decoding is greedy ({why}), so {listed} is ignored", file=sys.stderr)
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0, or 2 through argparse for bad input)."""
     parser = build_parser()
@@ -143,27 +248,11 @@ def main(argv: list[str] | None = None) -> int:
             draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype)
         if args.chat and not tokenizer.chat_template:
             parser.error(f"--chat: the tokenizer of {args.model} has no chat template")
-        # the user's flags, else the registered model's recommended sampling, else ours
-        sampling = {"temperature": DEFAULT_TEMPERATURE, **generation_defaults(args.model)}
-        sampling.update({k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")
-                         if getattr(args, k) is not None})
-        options = dict(
-            max_new_tokens=args.max_new_tokens, do_sample=sampling["temperature"] > 0,
-            temperature=sampling["temperature"], top_k=sampling.get("top_k"), top_p=sampling.get("top_p"),
-            min_p=sampling.get("min_p"), repetition_penalty=args.repetition_penalty,
-            seed=args.seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            stop_strings=args.stop, tokenizer=tokenizer if args.stop else None, return_dict_in_generate=True,
-        )
-        if args.speculative != "none":
-            options.update(num_assistant_tokens_schedule=args.speculative_schedule)
-        if args.speculative == "lookup":
-            options.update(prompt_lookup_num_tokens=args.num_speculative_tokens, max_matching_ngram_size=3)
-        elif args.speculative == "draft":
-            options.update(assistant_model=draft, num_assistant_tokens=args.num_speculative_tokens)
+        options = _generation_config(args, tokenizer, parser.prog)
 
         requests = [_split(tokenizer, p, args.system, args.chat) for p in prompts]
         prefix = _encode(tokenizer, requests[0][0])
-        cache = _prefix_cache(model, prefix, args.prompt_cache)
+        cache = _prefix_cache(model, tokenizer, prefix, args.prompt_cache)
         one_by_one = args.stream or args.speculative != "none"
         step = 1 if one_by_one else args.batch_size
         totals = {"prefill_tokens": 0, "new_tokens": 0, "proposed_tokens": 0, "accepted_tokens": 0,
@@ -183,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.chat:
                     print(requests[start][1], end="", flush=True)
             out = generate(model, ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=past,
-                           streamer=streamer, **options)
+                           streamer=streamer, generation_config=options, tokenizer=tokenizer, assistant_model=draft)
             for row, (_, text) in enumerate(requests[start:start + step]):
                 completion = tokenizer.decode(out.sequences[row, ids.shape[1]:], skip_special_tokens=True)
                 if not args.stream:

@@ -4,22 +4,7 @@ from __future__ import annotations
 
 import torch
 
-
-def validate_sampling(
-    *, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None,
-    repetition_penalty: float | None,
-) -> None:
-    """Raise ValueError naming the first argument outside its allowed range."""
-    if temperature is None or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-        raise ValueError(f"top_k must be an integer >= 0 (0 or None: no top-k), got {top_k!r}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if min_p is not None and not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
-    if repetition_penalty is not None and repetition_penalty <= 0:
-        raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {repetition_penalty!r}")
+from llm.generation.config import GenerationConfig
 
 
 def filter_logits(
@@ -30,7 +15,8 @@ def filter_logits(
 
     top_k keeps the k largest; top_p keeps the smallest set whose probability reaches top_p
     (nucleus sampling, Holtzman et al. 2020; the most likely token always stays); min_p keeps
-    tokens with probability >= min_p times the top token's (Nguyen et al. 2024).
+    tokens with probability >= min_p times the top token's (Nguyen et al. 2024). The arguments
+    are taken as they are: :class:`~llm.generation.GenerationConfig` is where they are checked.
     """
     logits = logits.float() / temperature if temperature > 0 else logits.float()
     if top_k:
@@ -57,21 +43,16 @@ class Sampler:
     speculative acceptance rule reduces to "accept while the draft equals the argmax".
 
     Args:
-        do_sample, temperature, top_k, top_p, min_p, repetition_penalty: as in ``generate``.
+        config: the (validated) options: do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty.
         generator: the random source of every draw (seeded by ``generate(seed=...)``).
-
-    Raises:
-        ValueError: naming an argument outside its allowed range.
     """
 
-    def __init__(self, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, generator: torch.Generator | None = None):
-        validate_sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repetition_penalty=repetition_penalty)
-        self.greedy = not do_sample or temperature == 0
-        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
-        self.repetition_penalty = repetition_penalty if repetition_penalty not in (None, 1.0) else None
+    def __init__(self, config: GenerationConfig, generator: torch.Generator | None = None):
+        self.greedy = config.greedy
+        self.temperature, self.top_k, self.top_p, self.min_p = (config.temperature, config.top_k, config.top_p,
+                                                                config.min_p)
+        self.repetition_penalty = config.repetition_penalty if config.repetition_penalty != 1.0 else None
         self.generator = generator
 
     def scores(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:

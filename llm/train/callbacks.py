@@ -121,7 +121,10 @@ class CurvePlotter(Callback):
 class ConfigSaver(Callback):
     """Write the run's resolved config to ``<folder>/config.yaml`` at ``fit_start`` (global rank 0).
 
-    A resumed run overwrites it with its own config (e.g. a longer ``max_duration``).
+    A resumed run overwrites it with its own config: one that differs only in keys that leave the
+    weights as they are (e.g. a longer ``max_duration``), or that ``allow_config_change`` let through
+    (:mod:`llm.train.run_folder` checks before training). It is written when ``fit`` starts, not
+    before: a run that does not train (already at ``max_duration``) keeps the config its weights had.
     """
 
     def __init__(self, cfg: Mapping | DictConfig, folder: str | os.PathLike, filename: str = CONFIG_YAML):

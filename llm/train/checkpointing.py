@@ -13,8 +13,11 @@ from batch 0, which the same check then refuses.
 * :func:`install_atomic_checkpoint_writes` makes Composer write each plain ``.pt`` checkpoint to
   a hidden temporary file in the same folder, fsync it, and rename it into place.
 * :func:`repair_latest_checkpoint`, before an autoresume, deletes leftover temporary files, moves
-  incomplete checkpoints aside (``*.pt.incomplete``) and points ``latest-rank0.pt`` at the newest
-  complete checkpoint.
+  incomplete checkpoints aside (``*.pt.incomplete``, each named in a warning on stderr with the
+  checkpoint resumed from instead) and points ``latest-rank0.pt`` at the newest complete
+  checkpoint; :func:`newest_complete_checkpoint` finds that one without changing anything.
+* :func:`adopt_earlier_checkpoints` makes ``save_num_checkpoints_to_keep`` hold across restarts
+  (Composer prunes only the checkpoints its own process wrote).
 * :func:`check_checkpoint` checks that a checkpoint file is readable and fits a model, with an
   error naming the file and the tensors that do not fit (Composer's own errors name neither).
 """
@@ -33,6 +36,7 @@ from llm.io import atomic_write, shape_mismatches
 
 INCOMPLETE_SUFFIX = ".incomplete"
 _TMP_PREFIX = ".partial-"  # a leading dot: no checkpoint pattern of Composer's matches it
+DEFAULT_FILENAME = "ep{epoch}-ba{batch}-rank{rank}.pt"
 
 _original_write_checkpoint_file = None
 
@@ -81,12 +85,36 @@ def _checkpoint_pattern(filename: str, rank: int) -> re.Pattern:
     return re.compile(f"^{pattern}$")
 
 
+def _checkpoints(folder: Path, filename: str, rank: int) -> list[tuple[dict[str, int], Path]]:
+    """The checkpoint files in ``folder`` named by ``filename`` for ``rank``, newest first, with their times."""
+    if not folder.is_dir():
+        return []
+    pattern = _checkpoint_pattern(filename, rank)
+    found = []
+    for entry in folder.iterdir():
+        if (match := pattern.match(entry.name)) and entry.is_file() and not entry.is_symlink():
+            found.append(({unit: int(v) for unit, v in match.groupdict().items()}, entry))
+    return sorted(found, key=lambda item: tuple(item[0].values()), reverse=True)
+
+
+def newest_complete_checkpoint(
+    save_folder: str | os.PathLike, filename: str = DEFAULT_FILENAME, *, rank: int = 0
+) -> Path | None:
+    """The newest complete checkpoint in ``save_folder`` (what an autoresume after
+    :func:`repair_latest_checkpoint` loads), or None; reads the folder, changes nothing."""
+    for _, path in _checkpoints(Path(save_folder), filename, rank):
+        if is_complete_checkpoint(path):
+            return path
+    return None
+
+
 def repair_latest_checkpoint(
     save_folder: str | os.PathLike,
-    filename: str = "ep{epoch}-ba{batch}-rank{rank}.pt",
+    filename: str = DEFAULT_FILENAME,
     latest_filename: str = "latest-rank{rank}.pt",
     *,
     rank: int = 0,
+    fallback: str | None = None,
 ) -> Path | None:
     """Make ``save_folder/latest_filename`` point at the newest complete checkpoint; run before autoresume.
 
@@ -96,29 +124,40 @@ def repair_latest_checkpoint(
     (re)creates the ``latest`` symlink if it is missing, dangling or points at an incomplete or
     older file. Call it on one process only (the rank that writes checkpoints).
 
+    Falling back past a checkpoint is never silent: each one moved aside is named in a warning on
+    stderr (:func:`llm.train.run_folder.warn`), with the checkpoint the run resumes from instead,
+    or, if none is left, that it starts from ``fallback`` (e.g. the run's ``load_path``) or from
+    scratch.
+
     Args:
         filename: Composer's ``save_filename`` format (``{epoch}``, ``{batch}``, ``{rank}``...).
         latest_filename: Composer's ``save_latest_filename`` format.
+        fallback: what autoresume loads when no complete checkpoint is left (None: nothing).
 
     Returns:
         The newest complete checkpoint, or None if there is none (or no such folder).
     """
+    from llm.train.run_folder import warn
+
     folder = Path(save_folder)
     if not folder.is_dir():
         return None
-    pattern = _checkpoint_pattern(filename, rank)
-    checkpoints = []
     for entry in folder.iterdir():
         if entry.name.startswith(_TMP_PREFIX):
             entry.unlink()  # half-written by an atomic write that was killed
-        elif (match := pattern.match(entry.name)) and entry.is_file() and not entry.is_symlink():
-            checkpoints.append((tuple(int(v) for v in match.groupdict().values()), entry))
-    newest = None
-    for _, path in sorted(checkpoints, key=lambda item: item[0], reverse=True):
-        if newest is None and is_complete_checkpoint(path):
+    newest, moved = None, []
+    for _, path in _checkpoints(folder, filename, rank):
+        if is_complete_checkpoint(path):
             newest = path
-        elif newest is None:
-            os.replace(path, path.with_name(path.name + INCOMPLETE_SUFFIX))
+            break
+        aside = path.with_name(path.name + INCOMPLETE_SUFFIX)
+        os.replace(path, aside)
+        moved.append(f"{path.name} -> {aside.name}")
+    if moved:
+        instead = (f"resuming from the older {newest}" if newest is not None
+                   else f"no complete checkpoint is left, so the run starts from {fallback or 'scratch (batch 0)'}")
+        warn(f"incomplete or corrupt checkpoint(s) in {folder} (was a run killed while writing?) moved aside: "
+             f"{', '.join(moved)}; {instead}")
     latest = folder / latest_filename.format(rank=rank)
     if newest is None:
         return None
@@ -129,6 +168,28 @@ def repair_latest_checkpoint(
         os.symlink(newest.name, tmp)
         os.replace(tmp, latest)  # atomic, unlike Composer's remove-then-symlink
     return newest
+
+
+def adopt_earlier_checkpoints(trainer: Any, save_folder: str | os.PathLike, filename: str = DEFAULT_FILENAME) -> None:
+    """Make Composer's ``save_num_checkpoints_to_keep`` count the checkpoints earlier processes left.
+
+    Composer's ``CheckpointSaver`` rotates only the checkpoints it wrote itself (its
+    ``saved_checkpoints``), so after a resume those of the killed or finished run before it would
+    stay for good. This puts them, oldest first, at the head of that list (those up to the
+    trainer's current time: later ones Composer refuses at ``fit_start`` anyway), so the next save
+    prunes the folder to the limit. Call it after the trainer is built (the checkpoint loaded),
+    before ``fit``; a no-op without a saver or with ``-1`` (keep all).
+    """
+    from composer.callbacks import CheckpointSaver
+    from composer.utils import dist
+
+    saver = next((c for c in trainer.state.callbacks if isinstance(c, CheckpointSaver)), None)
+    if saver is None or saver.num_checkpoints_to_keep < 0:
+        return
+    now = trainer.state.timestamp
+    earlier = [str(path) for time, path in _checkpoints(Path(save_folder), filename, dist.get_global_rank())
+               if all(value <= int(getattr(now, unit)) for unit, value in time.items())]
+    saver.saved_checkpoints[:0] = [path for path in reversed(earlier) if path not in saver.saved_checkpoints]
 
 
 def check_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -496,6 +496,8 @@ class RunConfig:
       ``global_train_batch_size`` in training), ``precision`` (null: Composer's choice).
     * ``seed`` (0 to 2**32 - 1), ``save_folder`` (the run folder), ``save_num_checkpoints_to_keep``
       (-1: all), ``load_path``, ``autoresume``, ``run_name`` (default: the name of save_folder).
+      ``allow_config_change``: resume a run folder under settings that differ from its
+      ``config.yaml`` (refused by default; see :mod:`llm.train.run_folder`).
     * Samples printed after training: ``num_samples`` (>= 0), ``sample_prompts`` (non-empty when
       num_samples > 0), ``sample_max_new_tokens`` (> 0), ``sample_temperature`` (>= 0; 0 is
       greedy), ``sample_top_k`` (> 0, or null for none).
@@ -523,6 +525,7 @@ class RunConfig:
     save_num_checkpoints_to_keep: int = setting(-1, check=at_least(-1))
     load_path: str | None = None
     autoresume: bool = False
+    allow_config_change: bool = False
     run_name: str | None = setting(None, check=non_empty)
     progress_bar: bool = True
     log_to_console: bool = False

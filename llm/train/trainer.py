@@ -15,7 +15,8 @@ loader's position, autoresume), and the run ends with a held-out evaluation of e
 (``model/``, for :meth:`MosaicGPT.from_pretrained` and :func:`llm.load_tokenizer`),
 ``metrics.json``, ``config.yaml`` (the resolved config) and ``curves.png`` / ``curves.json``.
 Checkpoints are written atomically and checked before loading (see
-:mod:`llm.train.checkpointing`).
+:mod:`llm.train.checkpointing`). The folder holds one run (:mod:`llm.train.run_folder`): it is
+locked while a run trains, and resuming under settings other than its ``config.yaml`` is refused.
 """
 
 from __future__ import annotations
@@ -56,9 +57,16 @@ from llm.train.builders import (
     run_data,
     token_counting_data_spec,
 )
-from llm.train.callbacks import ConfigSaver, CurvePlotter
-from llm.train.checkpointing import check_checkpoint, install_atomic_checkpoint_writes, repair_latest_checkpoint
+from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter
+from llm.train.checkpointing import (
+    adopt_earlier_checkpoints,
+    check_checkpoint,
+    install_atomic_checkpoint_writes,
+    newest_complete_checkpoint,
+    repair_latest_checkpoint,
+)
 from llm.train.composer_model import ComposerMosaicGPT
+from llm.train.run_folder import check_resume_config, hold_run_folder, on_rank_zero
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "decoupled_adamw": DecoupledAdamW, "adamw": torch.optim.AdamW,
@@ -92,18 +100,35 @@ def _build(registry: Mapping[str, Callable], cfg: Mapping[str, Any], *args: Any)
     return registry[cfg["name"]](*args, **options)
 
 
+def _prepare_run_folder(cfg: Mapping[str, Any], save_folder: Path) -> None:
+    """Before the trainer (one rank): refuse a resume under another config, then repair for autoresume.
+
+    The config is checked first, so a refused run leaves the folder as it was.
+    """
+    resuming = cfg["load_path"] is not None or (
+        cfg["autoresume"] and newest_complete_checkpoint(save_folder, CHECKPOINT_FILENAME) is not None)
+    if resuming:
+        check_resume_config(cfg, save_folder / CONFIG_YAML)
+    if cfg["autoresume"]:
+        repair_latest_checkpoint(save_folder, CHECKPOINT_FILENAME, LATEST_CHECKPOINT, fallback=cfg["load_path"])
+
+
 def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[EvalSet]]:
     """Composer's ``Trainer`` for a :func:`resolve_config` config and its :func:`run_data`, with a new seeded model.
 
     ``trainer.state.model`` is the :class:`~llm.train.composer_model.ComposerMosaicGPT` (one
     process, so not wrapped). Loads ``load_path`` (or, with ``autoresume``, the newest checkpoint
-    in ``save_folder``), so ``trainer.state.timestamp`` is where training resumes.
+    in ``save_folder``), so ``trainer.state.timestamp`` is where training resumes. A resume into a
+    folder whose ``config.yaml`` holds other settings is refused first (see
+    :mod:`llm.train.run_folder`); checkpoints earlier runs left there count towards
+    ``save_num_checkpoints_to_keep``. :func:`train` also holds the folder's lock; this does not.
 
     Returns:
         The trainer, and the eval sets (one per eval stream) its evaluators run on.
 
     Raises:
         PreparedDataError: if ``max_seq_len`` exceeds the prepared rows.
+        RunFolderError: for a resume under a config other than the folder's ``config.yaml``.
         ValueError: for a checkpoint that does not fit the model, or whatever Composer raises.
     """
     # Seed before building the model so its initial weights depend on the seed alone.
@@ -130,9 +155,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
     install_atomic_checkpoint_writes()
     save_folder = Path(cfg["save_folder"])
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
-    if cfg["autoresume"] and dist.get_global_rank() == 0:
-        repair_latest_checkpoint(save_folder, CHECKPOINT_FILENAME, LATEST_CHECKPOINT)
-    dist.barrier()
+    on_rank_zero(lambda: _prepare_run_folder(cfg, save_folder))
     to_load = latest if cfg["autoresume"] and latest.is_file() else cfg["load_path"]
     if to_load is not None and Path(to_load).is_file():
         check_checkpoint(to_load, model)
@@ -165,6 +188,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
         parallelism_config=cfg["parallelism_config"],
         callbacks=[CurvePlotter(save_folder), ConfigSaver(cfg, save_folder)],
     )
+    adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
 
 
@@ -277,15 +301,26 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
     sequences per batch, disjoint samples), rank 0 writes the exports, samples and metrics;
     every rank trains and evaluates. The other ranks return the figures without ``samples``.
 
+    Once the config and data are checked, ``save_folder`` is locked until this returns
+    (:func:`llm.train.run_folder.hold_run_folder`): a second training on it meanwhile is refused.
+
     Raises:
         llm.utils.config.ConfigError: for a bad config (any key, any depth).
         PreparedDataError: for missing shards or a tokenizer / vocabulary that does not fit them.
+        RunFolderError: if another run holds ``save_folder``, or it holds a run trained under
+            other settings (see :func:`build_trainer`).
     """
     started = time.perf_counter()
     cfg = resolve_config(cfg)
     data = run_data(cfg)
     if dist.get_world_size() > 1:
         dist.initialize_dist(get_device(None))
+    with hold_run_folder(cfg["save_folder"]):
+        return _train(cfg, data, started)
+
+
+def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]:
+    """:func:`train`'s work once the config and data are checked and the run folder is held."""
     rank0 = dist.get_global_rank() == 0
     save_folder = Path(cfg["save_folder"])
     if dist.get_local_rank() == 0:

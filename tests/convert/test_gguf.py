@@ -137,11 +137,11 @@ def test_greedy_equals_transformers_generate(ours, hf, batch):
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
     one = ids[2:3]  # the longest prompt: no padding
     ref = hf.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=64, **kwargs)
-    got = ours.generate(one, max_new_tokens=64)
+    got = ours.generate(one, max_new_tokens=64, **kwargs)  # greedy: the registered model's default samples
     assert got.shape == (1, one.shape[1] + 64) and torch.equal(got, ref)
 
     batch_ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
-    batch_got = ours.generate(ids, attention_mask=mask, max_new_tokens=16)
+    batch_got = ours.generate(ids, attention_mask=mask, max_new_tokens=16, **kwargs)
     assert torch.equal(batch_got, batch_ref)
     assert torch.equal(batch_got[2], ref[0, :ids.shape[1] + 16])  # the unpadded row decodes as it does alone
 
@@ -193,7 +193,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer_and_applies_chat_template
 def test_chat_answer_mentions_berlin(ours, tok):
     messages = [{"role": "user", "content": "What is the capital of Germany?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    out = ours.generate(ids, max_new_tokens=30, eos_token_id=tok.eos_token_id)
+    out = ours.generate(ids, max_new_tokens=30, eos_token_id=tok.eos_token_id, do_sample=False)
     assert "Berlin" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 

@@ -1,5 +1,6 @@
 """scripts/generate.py (llm.generation.cli): completions equal the Python API's, statistics on stderr,
-prompt caches on disk, and clean exits on bad input."""
+prompt caches on disk, the model's generation config under the flags, no autograd, and one-line exits
+(status 2) on every bad input."""
 
 import string
 
@@ -68,14 +69,58 @@ def test_system_prompt_cache_file_gives_the_uncached_output(bundle, capsys, tmp_
     assert "hello" + tokenizer.decode(new, skip_special_tokens=True) in plain.out
 
 
+def test_a_prompt_cache_from_another_model_or_unreadable_is_recomputed_and_said(bundle, capsys, tmp_path):
+    path, _, tokenizer = bundle
+    other = tmp_path / "other"  # the same shape and tokenizer, other weights: a fine-tuned twin
+    tiny_model("alibi", seed=1, vocab_size=len(tokenizer)).save_pretrained(other, tokenizer=tokenizer)
+    cache = tmp_path / "sys.cache"
+    args = ["--system", "you are a cat. ", "--prompt", "hello", "--temperature", 0, "--max-new-tokens", 10]
+    plain = run(capsys, "--model", path, *args)
+    run(capsys, "--model", other, *args, "--prompt-cache", cache)
+
+    reused = run(capsys, "--model", path, *args, "--prompt-cache", cache)
+    assert reused.out == plain.out
+    said = [line for line in reused.err.splitlines() if "recomputing" in line]
+    assert len(said) == 1 and str(cache) in said[0] and "model identity" in said[0]
+    again = run(capsys, "--model", path, *args, "--prompt-cache", cache)  # the file was refreshed
+    assert again.out == plain.out and "recomputing" not in again.err
+
+    cache.write_bytes(cache.read_bytes()[:200])  # truncated
+    truncated = run(capsys, "--model", path, *args, "--prompt-cache", cache)
+    assert truncated.out == plain.out
+    said = [line for line in truncated.err.splitlines() if "recomputing" in line]
+    assert len(said) == 1 and f"{cache} is not a readable cache file" in said[0]
+    assert "recomputing" not in run(capsys, "--model", path, *args, "--prompt-cache", cache).err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--prompt", "a", "--top-p", "1.5"], "top_p must be in"),
-        (["--prompt", "a", "--max-new-tokens", "0"], "must be an integer >= 1"),
+        (["--prompt", "a", "--top-p", "1.5"], "argument --top-p: must be a number in (0, 1], got 1.5"),
+        (["--prompt", "a", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
         (["--prompt", "a", "--speculative", "draft"], "needs --draft-model"),
-        (["--prompt", "a", "--temperature", "-1"], "temperature must be >= 0"),
-        ([], "at least one --prompt"),
+        (["--prompt", "a", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+        # NaN and infinities: before, --temperature nan decoded greedily with exit status 0
+        (["--prompt", "a", "--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (0: greedy), "
+                                                    "got nan"),
+        (["--prompt", "a", "--temperature", "inf"], "argument --temperature: must be a finite number >= 0"),
+        (["--prompt", "a", "--repetition-penalty", "nan"], "--repetition-penalty: must be a finite number > 0"),
+        (["--prompt", "a", "--top-p=-inf"], "argument --top-p: must be a number in (0, 1], got -inf"),
+        (["--prompt", "a", "--min-p", "nan"], "argument --min-p: must be a number in [0, 1], got nan"),
+        # no internal names (before: "invalid _positive_int value")
+        (["--prompt", "a", "--batch-size", "x"], "argument --batch-size: expected an integer, got 'x'"),
+        (["--prompt", "a", "--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
+        (["--prompt", "a", "--max-new-tokens", "2.5"], "argument --max-new-tokens: expected an integer, got '2.5'"),
+        (["--prompt", "a", "--top-k", "-3"], "argument --top-k: must be an integer >= 0"),
+        (["--prompt", "a", "--temperature", "warm"], "argument --temperature: expected a number, got 'warm'"),
+        (["--prompt", "a", "--seed", "-1"], "argument --seed: must be an integer in [0, 2**64), got -1"),
+        (["--prompt", "a", "--num-speculative-tokens", "0"], "--num-speculative-tokens: must be an integer >= 1"),
+        # devices that are not there: before, a traceback
+        (["--prompt", "a", "--device", "foo"], "argument --device: unknown device 'foo'; use cpu, cuda, cuda:N or mps"),
+        (["--prompt", "a", "--device", "meta"], "argument --device: 'meta' holds no weights"),
+        ([], "give at least one --prompt or a --prompts-file"),
+        (["--prompt", "a", "--prompts-file", "/no/such/file"], "--prompts-file /no/such/file: No such file or "
+                                                                 "directory"),
         (["--prompt", "a", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--prompt", "a", "--speculative", "lookup", "--speculative-schedule", "adaptive"], "invalid choice: 'adaptive'"),
         (["--prompt", "a", "--chat"], "no chat template"),
@@ -86,7 +131,54 @@ def test_bad_input_exits_2_with_a_message(bundle, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(path), *argv])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("generate.py: error: ") and err.count("\n") == 1  # one line, no usage block
+    assert message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.backends.mps.is_available(), reason="both devices exist")
+def test_an_unavailable_device_is_one_line(bundle, capsys):
+    path, _, _ = bundle
+    device = "mps" if torch.cuda.is_available() else "cuda"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(path), "--prompt", "a", "--device", device])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(f"generate.py: error: argument --device: device '{device}' is not available on this "
+                          f"machine (")
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named_with_the_byte_offset(bundle, capsys, tmp_path):
+    path, model, tokenizer = bundle
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("the cat\na dog\n".encode() + b"caf\xe9\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(path), "--prompts-file", str(prompts)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"generate.py: error: --prompts-file {prompts} is not UTF-8 text: byte 0xe9 at "
+                                       f"byte offset 17 (invalid continuation byte)\n")
+    prompts.write_bytes("\ufeffthe cat\n\na dog\n".encode())  # a BOM and blank lines are no prompts
+    out = run(capsys, "--model", path, "--prompts-file", prompts, "--temperature", 0, "--max-new-tokens", 4)
+    assert out.out.split("\n\n")[:2] == [greedy_text(model, tokenizer, p, 4) for p in ("the cat", "a dog")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0 (0: greedy), got nan"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "foo"], "argument --device: "),
+])
+def test_the_script_exits_2_with_one_line(bundle, argv, message):
+    """The real script, in its own process: nothing but one line on stderr, no completion."""
+    import subprocess
+    import sys
+
+    from llm.convert.registry import REPO_ROOT
+
+    path, _, _ = bundle
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--model", str(path),
+                           "--prompt", "the cat", *argv], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith("generate.py: error: ") and done.stderr.count("\n") == 1
+    assert message in done.stderr
 
 
 def test_missing_model_exits_2(capsys, tmp_path):
@@ -95,30 +187,54 @@ def test_missing_model_exits_2(capsys, tmp_path):
     assert exit_info.value.code == 2 and "config.yaml" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ([], dict(temperature=0.3, top_p=0.5, top_k=None)),  # the model's recommendation
-    (["--temperature", "0", "--top-k", "4"], dict(temperature=0.0, top_p=0.5, top_k=4, do_sample=False)),
+@pytest.mark.parametrize("flags, expected, warning", [
+    ([], dict(do_sample=True, temperature=0.3, top_p=0.5, top_k=None), None),  # the model's generation config
+    (["--temperature", "0.9", "--top-k", "4"], dict(do_sample=True, temperature=0.9, top_p=0.5, top_k=4), None),
+    (["--temperature", "0"], dict(do_sample=False, temperature=0.0, top_p=0.5), None),  # the model's top_p: quiet
+    (["--temperature", "0", "--top-k", "4"], dict(do_sample=False, top_k=4),
+     "generate.py: warning: decoding is greedy (--temperature 0), so --top-k 4 is ignored"),
 ])
-def test_sampling_defaults_come_from_the_registered_model_unless_flags_say_otherwise(
-        bundle, capsys, monkeypatch, flags, expected):
+def test_sampling_defaults_come_from_the_models_generation_config_unless_flags_say_otherwise(
+        bundle, capsys, monkeypatch, tmp_path, flags, expected, warning):
+    import llm.generation.cli as cli
+    from llm import GenerationConfig
+
+    _, model, tokenizer = bundle
+    model.save_pretrained(tmp_path, tokenizer=tokenizer,
+                          generation_config=GenerationConfig(do_sample=True, temperature=0.3, top_p=0.5))
+    seen = []
+    real = cli.generate
+    monkeypatch.setattr(cli, "generate", lambda *a, **kw: seen.append(kw["generation_config"]) or real(*a, **kw))
+    out = run(capsys, "--model", tmp_path, "--prompt", "the cat", "--max-new-tokens", 3, *flags)
+    assert {k: getattr(seen[0], k) for k in expected} == expected
+    assert seen[0].eos_token_id == tokenizer.eos_token_id and seen[0].max_new_tokens == 3
+    warnings = [line for line in out.err.splitlines() if "warning" in line]
+    assert warnings == ([warning] if warning else [])
+
+
+def test_without_a_generation_config_the_cli_samples_at_its_default_temperature(bundle, capsys, monkeypatch):
     import llm.generation.cli as cli
 
     path, _, _ = bundle
-    seen = {}
+    seen = []
     real = cli.generate
-
-    def spy(model, ids, **options):
-        seen.update(options)
-        return real(model, ids, **options)
-
-    monkeypatch.setattr(cli, "generation_defaults", lambda name: {"temperature": 0.3, "top_p": 0.5})
-    monkeypatch.setattr(cli, "generate", spy)
-    run(capsys, "--model", path, "--prompt", "the cat", "--max-new-tokens", 3, *flags)
-    assert {k: seen[k] for k in expected} == expected
+    monkeypatch.setattr(cli, "generate", lambda *a, **kw: seen.append(kw["generation_config"]) or real(*a, **kw))
+    run(capsys, "--model", path, "--prompt", "the cat", "--max-new-tokens", 3, "--seed", 1)
+    assert (seen[0].do_sample, seen[0].temperature, seen[0].top_p, seen[0].seed) == (True, cli.DEFAULT_TEMPERATURE,
+                                                                                      None, 1)
 
 
-def test_registered_models_recommended_sampling():
-    from llm.convert.registry import generation_defaults
+def test_the_cli_records_no_autograd(bundle, capsys):
+    """Before, the CLI's generate call recorded a graph at every forward."""
+    import llm
 
-    assert generation_defaults("smollm2-135m-instruct") == {"temperature": 0.2, "top_p": 0.9}
-    assert generation_defaults("runs/no-such-model") == {}
+    path, _, _ = bundle
+    modes = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: modes.append(torch.is_grad_enabled()) if isinstance(module, llm.MosaicGPT) else None)
+    try:
+        run(capsys, "--model", path, "--prompt", "the cat", "--max-new-tokens", 3)
+        run(capsys, "--model", path, "--prompt", "the cat", "--max-new-tokens", 3, "--stream")
+    finally:
+        hook.remove()
+    assert modes and not any(modes)

@@ -1,4 +1,5 @@
-"""generate: greedy and sampled decoding, stopping, streaming and prompt caches."""
+"""generate: greedy and sampled decoding, stopping, streaming, prompt caches, padding on either side,
+token ids outside the vocabulary, and no autograd at any entry point."""
 
 import io
 import string
@@ -8,9 +9,10 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+import llm
 from llm import Cache, DynamicCache, StaticCache
-from llm.data import build_char_tokenizer
-from tests.conftest import tiny_model
+from llm.data import build_char_tokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from tests.conftest import POSITION_SCHEMES, tiny_model
 from tests.test_seeds import greedy_without_cache
 
 
@@ -135,9 +137,146 @@ def test_argument_errors():
         model.generate(ids, max_new_tokens=14)
     with pytest.raises(ValueError, match="max_cache_len=10"):
         model.generate(ids, max_new_tokens=5, past_key_values=StaticCache(model.config, 1, 10))
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p must be a number in \(0, 1\], got 2.0"):
         model.generate(ids, do_sample=True, top_p=2.0)
     cache = DynamicCache()
     model(ids, past_key_values=cache)
     with pytest.raises(ValueError, match="already holds 8 positions but the prompt has 8"):
         model.generate(ids, past_key_values=cache)
+
+
+def padded(rows, sides, pad=0):
+    """(ids, mask) of token lists padded to one width: side "left", "right" or "middle" (the row's
+    padding between its first token and the rest)."""
+    width = max(len(r) for r in rows) + 1  # every row gets at least one pad
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (row, side) in enumerate(zip(rows, sides)):
+        n, gap = len(row), width - len(row)
+        spots = {"left": range(gap, width), "right": range(n),
+                 "middle": [0, *range(1 + gap, width)]}[side]
+        ids[i, list(spots)] = torch.tensor(row)
+        mask[i, list(spots)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", list(POSITION_SCHEMES))
+def test_right_and_middle_padded_rows_decode_as_if_alone(scheme):
+    """Tokenizers pad on the right by default; before, such a row continued from a pad position."""
+    model = tiny_model(scheme)
+    rows = [torch.randint(0, 61, (n,)).tolist() for n in (7, 3, 5, 2)]
+    ids, mask = padded(rows, ["right", "right", "middle", "left"], pad=60)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10)
+    streamed = torch.cat(list(llm.stream(model, ids, attention_mask=mask, max_new_tokens=10)), dim=1)
+    for i, row in enumerate(rows):
+        alone = model.generate(torch.tensor([row]), max_new_tokens=10)[0, len(row):]
+        assert torch.equal(out[i, ids.shape[1]:], alone), i
+        assert torch.equal(streamed[i], alone), i
+    assert torch.equal(out[:, :ids.shape[1]], ids)  # the prompt comes back as it was given
+    assert torch.equal(llm.generate(model, ids, attention_mask=mask, max_new_tokens=10, prompt_lookup_num_tokens=2),
+                       out)  # speculative decoding drops each row's padding, wherever it stands
+    # continuing from the output with the mask extended by ones is the same decoding, 5 more tokens
+    more = model.generate(out, attention_mask=torch.cat([mask, torch.ones(4, 10, dtype=torch.long)], 1),
+                          max_new_tokens=5)
+    for i, row in enumerate(rows):
+        alone = model.generate(torch.tensor([row]), max_new_tokens=15)[0, len(row):]
+        assert torch.equal(more[i, ids.shape[1]:], alone), i
+
+
+@torch.no_grad()
+def test_right_padding_with_a_cached_prefix_and_rows_that_cannot_continue():
+    model = tiny_model("llama")
+    prefix, rows = torch.randint(0, 61, (1, 6)), [[5, 6, 7], [8]]
+    request, request_mask = padded(rows, ["right", "right"])
+    ids = torch.cat([prefix.expand(2, -1), request], dim=1)
+    mask = torch.cat([torch.ones(2, 6, dtype=torch.long), request_mask], dim=1)
+    cache = DynamicCache()
+    model(prefix, past_key_values=cache)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache.copy().select([0, 0]), max_new_tokens=6)
+    for i, row in enumerate(rows):
+        alone = model.generate(torch.cat([prefix, torch.tensor([row])], 1), max_new_tokens=6)[0, 6 + len(row):]
+        assert torch.equal(out[i, ids.shape[1]:], alone)
+    with pytest.raises(ValueError, match="row 1 of attention_mask has no real token"):
+        model.generate(ids[:, 6:], attention_mask=torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"row 1's last real token \(position 5\) is inside past_key_values, which "
+                                         r"holds 6 positions"):
+        model.generate(ids, attention_mask=torch.cat([mask[:, :6], torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]])], 1),
+                       past_key_values=cache.copy().select([0, 0]))
+
+
+def test_our_tokenizers_pad_on_the_left(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")  # a byte-level BPE vocabulary, no weights
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["<|endoftext|>", "a", "b", "c", "\u0120"])
+    writer.add_token_types([3, 1, 1, 1, 1])
+    writer.add_token_merges([])
+    writer.add_eos_token_id(0)
+    writer.add_pad_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    char = build_char_tokenizer("abc ")
+    save_tokenizer(char, tmp_path / "bundle")
+    built = [char, train_bpe_tokenizer("abc abd abe " * 20, 300)]
+    loaded = [load_tokenizer(tmp_path / "bundle"), llm.load_tokenizer(tmp_path / "bundle"),
+              llm.load_tokenizer(tmp_path / "tiny.gguf")]
+    for tokenizer in built + loaded:
+        assert tokenizer.padding_side == "left"
+        short = tokenizer(["a", "a b c a b c"], padding=True).attention_mask[0]
+        assert short[0] == 0 and short[-1] == 1
+    char.padding_side = "right"
+    save_tokenizer(char, tmp_path / "right")
+    assert llm.load_tokenizer(tmp_path / "right").padding_side == "left"  # even from a folder that says right
+
+
+@pytest.mark.parametrize("bad", [-1, 61, 1000])
+def test_token_ids_outside_the_vocabulary_are_named(bad):
+    """Before: an IndexError from the embedding (or a device-side assert on a GPU)."""
+    model = tiny_model()
+    ids = torch.tensor([[1, 2, bad, 3]])
+    message = rf"input_ids holds token id {bad} \(at index \[0, 2\]\), outside the vocabulary of 61 tokens"
+    for call in (lambda: model.generate(ids), lambda: list(llm.stream(model, ids)), lambda: model(ids),
+                 lambda: llm.generate(model, ids, prompt_lookup_num_tokens=2)):
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=rf"reference_ids\[0\] holds token id {bad}"):
+        model.generate(ids[:, :2], prompt_lookup_num_tokens=2, reference_ids=[ids[0]])
+    with pytest.raises(ValueError, match="input_ids must hold integer token ids, got dtype torch.float32"):
+        model.generate(ids[:, :2].float())
+    with pytest.raises(ValueError, match="pad_token_id is 61, outside the vocabulary of 61 tokens"):
+        model.generate(ids[:, :2], pad_token_id=61)
+    with pytest.raises(ValueError, match=r"pad_token_id \(by default the first eos_token_id\) is 70"):
+        model.generate(ids[:, :2], eos_token_id=[70, 1])
+
+
+def test_no_entry_point_records_autograd(monkeypatch):
+    """Every forward that inference runs sees grad mode off: before, llm.generate and llm.stream
+    recorded a graph (2x slower on SmolLM2) unless the caller turned it off."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, 61, (2, 5))
+    modes = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: modes.append(torch.is_grad_enabled()) if isinstance(module, llm.MosaicGPT) else None)
+    try:
+        assert torch.is_grad_enabled()
+        calls = {
+            "llm.generate": lambda: llm.generate(model, ids, max_new_tokens=3),
+            "llm.stream": lambda: list(llm.stream(model, ids, max_new_tokens=3)),
+            "MosaicGPT.generate": lambda: model.generate(ids, max_new_tokens=3),
+            "MosaicGPT.stream": lambda: list(model.stream(ids, max_new_tokens=3)),
+            "lookup": lambda: llm.generate(model, ids, max_new_tokens=3, prompt_lookup_num_tokens=2),
+            "draft model": lambda: llm.generate(model, ids, max_new_tokens=3, assistant_model=tiny_model("llama")),
+        }
+        for name, call in calls.items():
+            modes.clear()
+            out = call()
+            assert modes and not any(modes), name
+            assert torch.is_grad_enabled(), name  # and the caller's mode is back
+            tensors = out if isinstance(out, list) else [out]
+            assert not any(t.requires_grad for t in tensors), name
+    finally:
+        hook.remove()

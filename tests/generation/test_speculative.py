@@ -90,9 +90,9 @@ def test_speculative_batch_equals_plain_batch():
 
 def exact_distribution(model, prompt, n, vocab, **filters):
     """P(t1..tn | prompt) for every sequence, by enumeration, from the sampler's own filters."""
-    from llm.generation import Sampler
+    from llm.generation import GenerationConfig, Sampler
 
-    sampler = Sampler(do_sample=True, **filters)
+    sampler = Sampler(GenerationConfig(do_sample=True, **filters))
     probs = {}
     for seq in itertools.product(range(vocab), repeat=n):
         ids = torch.cat([prompt, torch.tensor([seq[:-1]], dtype=torch.long)], dim=1)
