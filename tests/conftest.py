@@ -1,5 +1,7 @@
 """Shared fixtures: tiny models of every position scheme and attention implementation."""
 
+import resource
+
 import pytest
 import torch
 
@@ -8,6 +10,11 @@ from llm import MosaicGPT, MosaicGPTConfig
 # The test models are tiny: one thread is faster than two, and immune to a busy second core
 # (two spinning OpenMP threads on a shared core made small forwards 30x slower here).
 torch.set_num_threads(1)
+
+# Every Streaming dataset attaches the shared memory of every earlier dataset's prefix and keeps it
+# open for the life of the process: over a whole suite that outgrows a default limit of 1024 files.
+_soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (_hard, _hard))
 
 POSITION_SCHEMES = {
     "learned": dict(learned_pos_emb=True),

@@ -62,7 +62,7 @@ DEFAULT_SEQ_LEN = 2048
 #: Share of documents held out when no validation inputs are given: enough documents for a
 #: stable held-out estimate on small corpora (40 files -> about 2); lower it for large ones.
 DEFAULT_VALIDATION_FRACTION = 0.05
-DEFAULT_SHARD_SIZE = 1 << 25  # bytes per shard file; MDSWriter holds up to about twice this in memory
+DEFAULT_SHARD_SIZE = 1 << 25  # bytes per shard file; the writer holds up to one shard's rows in memory
 _TMP_PREFIX = ".tmp-"
 _BATCH_BYTES = 1 << 20  # text per batch of documents tokenized together
 _BATCH_DOCS = 1024
@@ -137,9 +137,9 @@ def prepare(
     separators, before the tail is dropped), ``bytes`` (UTF-8 of the texts), ``rows``,
     ``dropped_tokens``, ``replacements`` (U+FFFD decodes) and ``seconds``; bits per byte is
     nats/token * tokens/bytes / ln 2. ``tokenizer_spec``: see :mod:`llm.data.tokenizers`; a trained
-    one sees only the train split. ``workers`` processes (default: the CPUs) tokenize batches of
-    documents in order, so the shards are the same for any number. Other options: see
-    :func:`llm.data.sources.resolve_inputs` and :func:`llm.data.sources.read_documents`.
+    one sees only the train split. ``workers`` threads (default: the CPUs), each encoding a batch
+    of documents on one CPU, tokenize in order, so the shards are the same for any number. Other
+    options: see :func:`llm.data.sources.resolve_inputs` and :func:`llm.data.sources.read_documents`.
 
     If ``out`` already holds this preparation (same options and input files, sizes and mtimes)
     it is returned without work; an unfinished one is resumed, keeping its finished tokenizer
@@ -368,8 +368,9 @@ def _batches(documents: Iterator[Document]) -> Iterator[tuple[list[str], tuple[i
     """Documents grouped into batches: (texts, (documents, UTF-8 bytes, replacements))."""
     texts, n_bytes, replaced = [], 0, 0
     for doc in documents:
-        texts.append(doc.text)
-        n_bytes += len(doc.text.encode("utf-8"))
+        text = doc.text
+        texts.append(text)
+        n_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))  # isascii: a flag, no scan
         replaced += doc.replacements
         if n_bytes >= _BATCH_BYTES or len(texts) >= _BATCH_DOCS:
             yield texts, (len(texts), n_bytes, replaced)
@@ -378,31 +379,89 @@ def _batches(documents: Iterator[Document]) -> Iterator[tuple[list[str], tuple[i
         yield texts, (len(texts), n_bytes, replaced)
 
 
+class _ShardWriter:
+    """Writes rows of one fixed-size ndarray column as MDS shards (Streaming's format, version 2),
+    byte for byte what ``streaming.MDSWriter(out=out, columns={column: encoding}, compression=None,
+    size_limit=shard_size)`` writes for the same rows, without importing Streaming (and through it
+    torchvision, transformers' models, sympy...: some 200 MB of a preparing process's memory) and
+    holding at most one shard's rows.
+
+    A shard file is ``num_samples`` (uint32), the ``num_samples + 1`` byte offsets of the samples
+    (uint32, from the start of the file), the writer's JSON config, then the samples, each the row's
+    bytes (a fixed-size column has no size header). A shard holds as many rows as fit in
+    ``shard_size`` bytes, counting 4 bytes per row for its offset and the header's other bytes.
+    ``index.json`` lists the shards, written by :meth:`finish`.
+    """
+
+    def __init__(self, out: Path, column: str, encoding: str, row_bytes: int, shard_size: int):
+        self.out, self.row_bytes = out, row_bytes
+        self.config = {"version": 2, "format": "mds", "compression": None, "hashes": [], "size_limit": shard_size,
+                       "column_names": [column], "column_encodings": [encoding], "column_sizes": [row_bytes]}
+        self._config_data = json.dumps(self.config, sort_keys=True).encode("utf-8")
+        # MDSWriter starts a new shard when the next sample (its bytes + a 4-byte offset) would
+        # take the shard (num_samples, the final offset and the config included) past size_limit.
+        self.rows_per_shard = (shard_size - 4 - 4 - len(self._config_data)) // (row_bytes + 4)
+        if self.rows_per_shard < 1:
+            raise ValueError(f"a shard of {shard_size} bytes cannot hold a row of {row_bytes} bytes")
+        self.shards: list[dict] = []
+        self._parts: list[bytes] = []
+        self._rows = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def write(self, data: bytes) -> None:
+        """Append whole rows, ``data`` holding ``len(data) // row_bytes`` of them back to back."""
+        if len(data) % self.row_bytes:
+            raise ValueError(f"{len(data)} bytes are not whole rows of {self.row_bytes} bytes")
+        start, end = 0, len(data)
+        while start < end:
+            take = min(end - start, (self.rows_per_shard - self._rows) * self.row_bytes)
+            self._parts.append(data[start : start + take])
+            self._rows += take // self.row_bytes
+            start += take
+            if self._rows == self.rows_per_shard:
+                self._flush()
+
+    def _flush(self) -> None:
+        n = self._rows
+        head = 4 + 4 * (n + 1) + len(self._config_data)
+        offsets = head + self.row_bytes * np.arange(n + 1, dtype=np.int64)
+        basename = f"shard.{len(self.shards):05}.mds"
+        with open(self.out / basename, "wb") as f:
+            f.write(np.uint32(n).tobytes())
+            f.write(offsets.astype(np.uint32).tobytes())
+            f.write(self._config_data)
+            f.writelines(self._parts)
+        self.shards.append({"samples": n, "raw_data": {"basename": basename, "bytes": head + n * self.row_bytes,
+                                                       "hashes": {}}, "zip_data": None, **self.config})
+        self._parts, self._rows = [], 0
+
+    def finish(self) -> None:
+        """Write the last, partly filled shard (if any) and ``index.json``."""
+        if self._rows:
+            self._flush()
+        with open(self.out / "index.json", "w") as f:
+            json.dump({"version": 2, "shards": self.shards}, f, sort_keys=True)
+
+
 def _write_split(split: str, documents: Iterator[Document], out: Path, *, tokenizer, seq_len: int, dtype: str,
                  shard_size: int, workers: int, progress: bool) -> dict:
     """Write the rows of ``documents`` to MDS shards in ``out``; return the split's counts."""
-    from streaming import MDSWriter
-
     start = time.perf_counter()
     counts = dict(documents=0, tokens=0, bytes=0, rows=0, dropped_tokens=0, replacements=0)
     carry = np.empty(0, np.uint32)
-    with contextlib.ExitStack() as stack:
-        # The encoder forks its workers first, before the writer's and the progress bar's threads exist.
-        encoder = stack.enter_context(BatchEncoder(tokenizer, workers))
-        writer = stack.enter_context(MDSWriter(out=str(out), columns={COLUMN: f"ndarray:{dtype}:{seq_len}"},
-                                               compression=None, size_limit=shard_size))
-        bar = stack.enter_context(_bar(split, progress))
+    writer = _ShardWriter(out, COLUMN, f"ndarray:{dtype}:{seq_len}", seq_len * np.dtype(dtype).itemsize, shard_size)
+    with BatchEncoder(tokenizer, workers) as encoder, _bar(split, progress) as bar:
         for ids, (n_docs, n_bytes, replaced) in encoder.map(_batches(documents)):
             carry = np.concatenate([carry, ids])
             rows = len(carry) // seq_len
-            for row in carry[: rows * seq_len].reshape(rows, seq_len).astype(dtype):
-                writer.write({COLUMN: row})
+            writer.write(carry[: rows * seq_len].astype(dtype).tobytes())
             carry = carry[rows * seq_len:]
             for key, value in (("documents", n_docs), ("tokens", len(ids)), ("bytes", n_bytes),
                                ("rows", rows), ("replacements", replaced)):
                 counts[key] += value
             bar.update(n_bytes)
             bar.set_postfix(tokens=counts["tokens"], refresh=False)
+    writer.finish()
     counts["dropped_tokens"] = len(carry)
     counts["seconds"] = round(time.perf_counter() - start, 3)
     return counts

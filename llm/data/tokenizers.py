@@ -1,6 +1,6 @@
 """Tokenizers for data preparation: load one from a spec or train one on streamed documents, save
 it next to the shards with a hash of its definition (so corpora prepared separately with the same
-tokenizer can be recognised as mixable), and encode batches of documents in parallel processes.
+tokenizer can be recognised as mixable), and encode batches of documents on parallel threads.
 
 A spec is a ``tokenizer.json`` file, a transformers tokenizer folder, a model bundle written by
 ``MosaicGPT.save_pretrained(dir, tokenizer=...)``, a prepared dataset folder (its tokenizer), a
@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from llm.convert.registry import PRETRAINED
 from llm.convert.registry import load_tokenizer as load_registered_tokenizer
@@ -37,6 +38,7 @@ SPEC_FORMS = ("a tokenizer.json file, a transformers tokenizer folder, a model b
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 _SPECIAL_ROLES = ("eos_token", "bos_token", "pad_token", "unk_token")
 T = TypeVar("T")
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -101,11 +103,29 @@ def _from_folder(path: Path) -> PreTrainedTokenizerFast:
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise DataError(f"cannot load tokenizer {str(path)!r}: the folder holds no tokenizer.json or "
                         f"tokenizer_config.json; --tokenizer takes {SPEC_FORMS}")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if _plain_fast_class(path):
+        # What AutoTokenizer does for this config, without importing it: AutoTokenizer's imports
+        # (accelerate, sympy, ...) would add some 180 MB to the memory of a preparing process.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), _from_auto=True)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise DataError(f"tokenizer folder {str(path)!r} gives a slow (Python) tokenizer, "
                         f"{type(tokenizer).__name__}; preparation needs a fast one (with tokenizer.json)")
     return tokenizer
+
+
+def _plain_fast_class(path: Path) -> bool:
+    """Whether the folder's ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` and no
+    ``auto_map`` (remote code): then ``AutoTokenizer`` just calls that class's ``from_pretrained``."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("tokenizer_class") == "PreTrainedTokenizerFast" \
+        and "auto_map" not in config
 
 
 def train_tokenizer(spec: str, texts: Iterable[str]) -> PreTrainedTokenizerFast:
@@ -200,11 +220,15 @@ def load_prepared_tokenizer(directory: str | os.PathLike) -> tuple[PreTrainedTok
 
 
 class BatchEncoder:
-    """Encodes batches of texts into token ids, each text followed by the tokenizer's eos id, in
-    ``workers`` processes (1: in this process), always in the order given.
+    """Encodes batches of texts into token ids, each text followed by the tokenizer's eos id, on
+    ``workers`` threads, always in the order given.
 
-    Use it as a context manager: entering forks the worker pool, leaving stops it. The backend
-    tokenizer encodes without special tokens and without any saved padding or truncation.
+    Each thread encodes a batch of its own with ``encode_batch_fast`` on one CPU (tokenizers' own
+    Rust thread pool is off while the encoder is entered, so ``workers`` is the number of CPUs
+    encoding); the encoding itself runs without the GIL, so the threads overlap with each other
+    and with the reading and writing in the calling thread. Use it as a context manager: entering
+    starts the threads, leaving stops them. The backend tokenizer encodes without special tokens
+    and without any saved padding or truncation.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, workers: int = 1):
@@ -212,72 +236,54 @@ class BatchEncoder:
         # Padding or truncation settings saved with a tokenizer would change the ids of a batch.
         backend.no_padding()
         backend.no_truncation()
-        self._args = (backend.to_str(), eos_token_id(tokenizer))
-        self._encode = _Encode(*self._args)
+        self._definition, self._eos = backend.to_str(), eos_token_id(tokenizer)
+        self._local = threading.local()
         self.workers = workers
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._previous: str | None = None
 
     def __enter__(self) -> "BatchEncoder":
-        if self.workers > 1:
-            # One thread per worker (the workers already fill the CPUs); set for the fork, it also
-            # stops tokenizers warning that its threads were used before forking.
-            previous = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            try:
-                method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-                self._pool = multiprocessing.get_context(method).Pool(self.workers, _init_worker, self._args)
-            finally:
-                if previous is None:
-                    del os.environ["TOKENIZERS_PARALLELISM"]
-                else:
-                    os.environ["TOKENIZERS_PARALLELISM"] = previous
+        # One Rust thread per worker: tokenizers reads this variable at every call.
+        self._previous = os.environ.get(_PARALLELISM)
+        os.environ[_PARALLELISM] = "false"
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="encode")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+            if self._previous is None:
+                os.environ.pop(_PARALLELISM, None)
+            else:
+                os.environ[_PARALLELISM] = self._previous
 
     def map(self, batches: Iterable[tuple[list[str], T]]) -> Iterator[tuple[np.ndarray, T]]:
         """For each ``(texts, tag)`` of ``batches``, ``(ids, tag)``: ``ids`` a 1-D uint32 array of
         every text's tokens followed by eos. At most two batches per worker are in flight, so memory
-        stays bounded (``Pool.imap``'s feeder thread would read all of ``batches`` ahead)."""
-        if self._pool is None:
+        stays bounded."""
+        if self._pool is None:  # not entered: encode here
             for texts, tag in batches:
-                yield self._encode(texts), tag
+                yield self.encode(texts), tag
             return
         window: deque = deque()
         for texts, tag in batches:
-            window.append((self._pool.apply_async(_encode_in_worker, (texts,)), tag))
+            window.append((self._pool.submit(self.encode, texts), tag))
             if len(window) > 2 * self.workers:
                 result, tag = window.popleft()
-                yield result.get(), tag
+                yield result.result(), tag
         while window:
             result, tag = window.popleft()
-            yield result.get(), tag
+            yield result.result(), tag
 
-
-class _Encode:
-    def __init__(self, definition: str, eos: int):
-        self.backend, self.eos = Tokenizer.from_str(definition), eos
-
-    def __call__(self, texts: list[str]) -> np.ndarray:
-        ids = []
+    def encode(self, texts: list[str]) -> np.ndarray:
+        """Every text's ids followed by eos, as one uint32 array (in the calling thread)."""
+        backend = getattr(self._local, "backend", None)
+        if backend is None:  # one tokenizer per thread: no sharing of its cache between threads
+            backend = self._local.backend = Tokenizer.from_str(self._definition)
         # encode_batch_fast: encode_batch's ids without computing character offsets (about 1.5x faster).
-        for encoding in self.backend.encode_batch_fast(texts, add_special_tokens=False):
-            ids.extend(encoding.ids)
-            ids.append(self.eos)
-        return np.array(ids, dtype=np.uint32)
-
-
-_worker_encode: _Encode | None = None  # set in each worker process by _init_worker
-
-
-def _init_worker(definition: str, eos: int) -> None:
-    global _worker_encode
-    _worker_encode = _Encode(definition, eos)
-
-
-def _encode_in_worker(texts: list[str]) -> np.ndarray:
-    return _worker_encode(texts)
+        encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        eos = np.array([self._eos], dtype=np.uint32)
+        # One small array per text is faster than extending one list with every id.
+        return np.concatenate([part for encoding in encodings
+                               for part in (np.array(encoding.ids, dtype=np.uint32), eos)] or [eos[:0]])
