@@ -189,6 +189,24 @@ def build_eval_loaders(loader_cfg: Mapping[str, Any], sources: list[PreparedSpli
     return sets
 
 
+def build_model(cfg: Mapping[str, Any], tokenizer):
+    """The run's ``ComposerMosaicGPT``: ``load_pretrained``'s weights, else a new model of ``cfg["model"]``
+    whose ``vocab_size`` defaults to the tokenizer's size (seed first for reproducible weights).
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`load_pretrained` and :class:`llm.config.MosaicGPTConfig`.
+    """
+    from llm.config import MosaicGPTConfig
+    from llm.train.composer_model import ComposerMosaicGPT
+
+    if cfg.get("load_pretrained"):
+        return load_pretrained(cfg["load_pretrained"])[0]
+    model_cfg = dict(cfg["model"])
+    if model_cfg.get("vocab_size") is None:
+        model_cfg["vocab_size"] = len(tokenizer)
+    return ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg))
+
+
 def load_pretrained(name_or_path: str | os.PathLike):
     """``(ComposerMosaicGPT, tokenizer)`` of a bundle directory, .gguf file or registered name.
 

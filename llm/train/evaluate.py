@@ -43,9 +43,8 @@ def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model
             not fit (naming the file and tensors), or the tokenizer does not fit the data.
         FileNotFoundError: for a missing model or checkpoint.
     """
-    from llm.config import MosaicGPTConfig
     from llm.model import MosaicGPT
-    from llm.train.builders import load_pretrained, run_data
+    from llm.train.builders import build_model, run_data
     from llm.train.checkpointing import check_checkpoint
     from llm.train.composer_model import ComposerMosaicGPT
 
@@ -56,13 +55,7 @@ def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model
         data = run_data({**eval_only, "load_pretrained": model, "model": None})
         return ComposerMosaicGPT(MosaicGPT.from_pretrained(model)), data, {"model": str(model)}
     data = run_data(eval_only)
-    if cfg.get("load_pretrained"):  # a fine-tuning run: its model is the pretrained one
-        composer_model, _ = load_pretrained(cfg["load_pretrained"])
-    else:
-        model_cfg = dict(cfg["model"])
-        if model_cfg.get("vocab_size") is None:
-            model_cfg["vocab_size"] = len(data.tokenizer)
-        composer_model = ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg))
+    composer_model = build_model(cfg, data.tokenizer)  # a fine-tuning run's is the pretrained one
     check_checkpoint(load_path, composer_model)
     return composer_model, data, {"checkpoint": str(load_path)}
 

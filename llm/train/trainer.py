@@ -42,7 +42,6 @@ from composer.optim import (
 from composer.utils import dist, get_device, reproducibility
 from omegaconf import DictConfig
 
-from llm.config import MosaicGPTConfig
 from llm.data.streaming import clean_stale_registrations
 from llm.io import atomic_write
 from llm.model import MosaicGPT
@@ -50,9 +49,9 @@ from llm.train.builders import (
     EvalSet,
     RunData,
     build_eval_loaders,
+    build_model,
     build_train_loader,
     device_batch_size,
-    load_pretrained,
     mark_fsdp_units,
     run_data,
     token_counting_data_spec,
@@ -65,7 +64,6 @@ from llm.train.checkpointing import (
     newest_complete_checkpoint,
     repair_latest_checkpoint,
 )
-from llm.train.composer_model import ComposerMosaicGPT
 from llm.train.run_folder import check_resume_config, hold_run_folder, on_rank_zero
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -133,13 +131,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
     """
     # Seed before building the model so its initial weights depend on the seed alone.
     reproducibility.seed_all(cfg["seed"])
-    if cfg["load_pretrained"]:
-        model, _ = load_pretrained(cfg["load_pretrained"])
-    else:
-        model_cfg = dict(cfg["model"])
-        if model_cfg.get("vocab_size") is None:
-            model_cfg["vocab_size"] = len(data.tokenizer)
-        model = ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg))
+    model = build_model(cfg, data.tokenizer)
     max_seq_len = model.config.max_seq_len
     train_loader = build_train_loader(cfg["train_loader"], data.train, data.tokenizer, max_seq_len,
                                       device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"])
