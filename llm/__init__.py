@@ -6,8 +6,9 @@ from llm.convert.registry import load_tokenizer
 from llm.generation import GenerateOutput, GenerationConfig, generate, stream
 from llm.layers.attention import scaled_multihead_dot_product_attention
 from llm.model import CausalLMOutput, MosaicGPT
+from llm.quant import quantize
 
 __all__ = [
     "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "GenerationConfig", "MosaicGPT", "MosaicGPTConfig",
-    "StaticCache", "generate", "load_tokenizer", "scaled_multihead_dot_product_attention", "stream",
+    "StaticCache", "generate", "load_tokenizer", "quantize", "scaled_multihead_dot_product_attention", "stream",
 ]

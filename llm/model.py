@@ -27,6 +27,8 @@ from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, posi
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
+#: The file next to a quantized bundle's weights that says how they are quantized (llm.quant).
+QUANTIZATION_FILE = "quantization.json"
 #: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
 WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
 
@@ -82,6 +84,8 @@ class MosaicGPT(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None
         self.generation_config = GenerationConfig()
+        #: how the weights are quantized (a :class:`~llm.quant.QuantizationReport`), None when they are not
+        self.quantization = None
         # (version key of the weights, their weights_digest) once known; see identity()
         self._digest: tuple[tuple, str] | None = None
         self.apply(self._init_weights)
@@ -102,11 +106,13 @@ class MosaicGPT(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.wte.weight.device
+        return self.norm_f.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.wte.weight.dtype
+        """The dtype of the residual stream, the norms and the KV cache (a quantized model's
+        weights are stored in other dtypes)."""
+        return self.norm_f.weight.dtype
 
     def identity(self) -> str:
         """SHA-256 (hex) of this model's config and weights: which model this is, e.g. for a saved
@@ -122,7 +128,7 @@ class MosaicGPT(nn.Module):
         a bundle's digest without hashing (:meth:`save_pretrained` stores it); a GGUF model is
         hashed like a model built in memory, so it shares its identity with its saved bundle.
         """
-        state = self.state_dict()
+        state = self._weights_to_save()
         key = self._weights_key(state)
         if self._digest is not None and self._digest[0] == key:
             digest = self._digest[1]
@@ -141,7 +147,15 @@ class MosaicGPT(nn.Module):
 
     def _remember_digest(self, digest: str) -> None:
         """Take ``digest`` as the weights_digest of the weights as they are now (see :meth:`identity`)."""
-        self._digest = (self._weights_key(self.state_dict()), digest)
+        self._digest = (self._weights_key(self._weights_to_save()), digest)
+
+    def _weights_to_save(self) -> dict[str, torch.Tensor]:
+        """The state dict as :meth:`save_pretrained` writes it: a quantized output layer tied to the
+        embedding shares its int8 storage, so it is written once, as ``wte.*``."""
+        state = self.state_dict()
+        if self.quantization is not None and self.config.tie_word_embeddings:
+            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+        return state
 
     def train(self, mode: bool = True) -> "MosaicGPT":
         """Set training mode (``mode``) or eval mode; training forgets the remembered weights
@@ -283,6 +297,68 @@ class MosaicGPT(nn.Module):
             cache = cache.to_legacy()
         return CausalLMOutput(logits=logits, past_key_values=cache)
 
+    def forward_static(
+        self,
+        input_ids: torch.Tensor | None,
+        cache: Cache,
+        cache_position: torch.Tensor,
+        key_mask: torch.Tensor,
+        logits_index: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of new tokens over a static cache, with shapes that do not depend on the position.
+
+        gpt-fast's ``Transformer.forward(idx, input_pos)``: keys are written at ``cache_position``
+        and every query attends over the WHOLE buffer through a mask, so one compiled graph serves
+        every position (:mod:`llm.generation.compiled`). Positions follow :meth:`forward` under
+        left or inner padding (``position_ids_from_mask``'s ``cumsum(mask) - 1``; ALiBi counts
+        real tokens), so the logits of real tokens equal the uncached forward's. Inference only:
+        no checks, no dropout; the cache's length is not moved (the caller sets it).
+
+        Args:
+            input_ids: (batch, chunk) int64 ids of the new tokens (padding slots: any valid id), or
+                None with ``inputs_embeds`` (batch, chunk, d_model).
+            cache: a :class:`~llm.cache.StaticCache` with allocated storage
+                (batch, kv_n_heads, capacity, head_dim).
+            cache_position: (chunk,) int64 buffer positions of the new tokens.
+            key_mask: (batch, capacity) bool: True where the buffer holds a real token, the new
+                ones included; False for padding and for positions not yet written.
+            logits_index: (batch, keep) int64 indices into the chunk of the positions to compute
+                logits for; None: all.
+
+        Returns:
+            (batch, keep or chunk, vocab_size) logits in the model's dtype. A query that may see
+            no key (padding) gets finite, meaningless logits.
+        """
+        x = self.wte(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        capacity = key_mask.shape[-1]
+        counts = key_mask.long().cumsum(-1)  # (batch, capacity): real tokens up to each position
+        query_counts = counts[:, cache_position]  # (batch, chunk)
+        # key j is seen from buffer position p iff j <= p and j is real
+        causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
+        allowed = causal[None, None] & key_mask[:, None, None, :]  # (batch, 1, chunk, capacity)
+        rotary = None
+        if self.wpe is not None or self.rotary is not None:
+            position_ids = (query_counts - 1).clamp_min(0)
+            if self.wpe is not None:
+                x = x + self.wpe(position_ids)
+            else:
+                rotary = self.rotary(position_ids, x.dtype)
+        attn_bias = None
+        if self.config.alibi:
+            slopes = alibi_slopes(self.config.n_heads, self.config.alibi_bias_max, device=x.device)
+            # -slope * (real tokens between key and query): forward's bias up to a per-row constant
+            distance = (counts[:, None, :] - query_counts[:, :, None]).to(torch.float32)
+            attn_bias = (slopes[None, :, None, None] * distance[:, None]).to(x.dtype)
+        for block in self.blocks:
+            x = block(x, past_key_values=cache, attn_bias=attn_bias, attn_mask=allowed, rotary=rotary,
+                      cache_position=cache_position)
+        if logits_index is not None:
+            x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        x = self.norm_f(x)
+        return self.lm_head(x) if self.lm_head is not None else linear(x, self.wte.weight)
+
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """Decode new tokens, without autograd; see :func:`llm.generation.generate` for every argument."""
         return generate(self, input_ids, **kwargs)
@@ -296,6 +372,10 @@ class MosaicGPT(nn.Module):
                         generation_config: GenerationConfig | None = None) -> None:
         """Write ``config.yaml`` and ``model.safetensors`` (and the tokenizer, if given) to ``directory``.
 
+        A quantized model (:func:`llm.quant.quantize`) writes its quantized tensors (int4 codes
+        unpacked, one uint8 per weight: the packed layout depends on the CPU) and
+        ``quantization.json``, which :meth:`from_pretrained` reads to rebuild the same modules.
+
         ``generation_config`` (default: ``self.generation_config``) goes to
         ``generation_config.json`` unless it is all defaults, in which case an older such file is
         removed, so that the folder's generation defaults are always this model's. Each file is
@@ -305,10 +385,15 @@ class MosaicGPT(nn.Module):
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous() for k, v in self._weights_to_save().items()}
         metadata = {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(state)}
         atomic_write(directory / CONFIG_FILE, self.config.save)
         atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata))
+        if self.quantization is not None:
+            text = json.dumps(self.quantization.to_dict(), indent=2) + "\n"
+            atomic_write(directory / QUANTIZATION_FILE, lambda path: Path(path).write_text(text))
+        else:
+            (directory / QUANTIZATION_FILE).unlink(missing_ok=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         generation_config = generation_config if generation_config is not None else self.generation_config
@@ -324,6 +409,8 @@ class MosaicGPT(nn.Module):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        quantization: str | None = None,
+        group_size: int = 32,
     ) -> "MosaicGPT":
         """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
         a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
@@ -331,22 +418,37 @@ class MosaicGPT(nn.Module):
         ``generation_config`` is the directory's ``generation_config.json`` if it has one, the
         registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
 
+        Args:
+            quantization: None or ``"none"``: the weights as stored (a quantized bundle loads
+                quantized, anything else in floating point); ``"int8"`` / ``"int4"``: quantize
+                while loading (:func:`llm.quant.quantize`), one tensor at a time, so the float
+                model is never held whole; ``"gguf"``: keep a GGUF file's own quantization
+                (:func:`llm.convert.gguf.load_gguf`: Q4_0 / Q4_1 blocks become int4 groups of 32
+                without requantizing).
+            group_size: int4 group size for ``quantization="int4"``.
+
         Raises:
             FileNotFoundError: if the directory, its config or its weights are missing, or the
                 GGUF file is (for a registered name: run ``make data``).
             ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
                 naming the file and the tensors that did not fit; if ``generation_config.json``
-                is not a valid generation config (naming it); for a GGUF file, also an
-                unsupported architecture or quantization type (see :func:`llm.convert.load_gguf`).
+                is not a valid generation config (naming it); an unknown ``quantization``, or one
+                that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; for a GGUF
+                file, also an unsupported architecture or quantization type (see
+                :func:`llm.convert.load_gguf`).
         """
         # lazy: llm.convert imports this module
         from llm.convert.registry import PRETRAINED, load_generation_config, resolve
+        from llm.quant import METHODS, quantize, quantize_like
 
+        quantization = None if quantization == "none" else quantization
+        if quantization is not None and quantization not in (*METHODS, "gguf"):
+            raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
         kind, directory = resolve(name_or_path)
         if kind == "gguf":
             from llm.convert.gguf import load_gguf
 
-            model = load_gguf(directory, dtype=dtype, device=device)
+            model = load_gguf(directory, dtype=dtype, device=device, quantization=quantization, group_size=group_size)
             model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
             return model
         if not directory.exists():
@@ -358,22 +460,88 @@ class MosaicGPT(nn.Module):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")
         config = MosaicGPTConfig.load(directory / CONFIG_FILE)
-        try:
-            with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as weights:
-                state = {name: weights.get_tensor(name) for name in weights.keys()}
-                stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
-        except Exception as err:
-            raise ValueError(f"cannot read weights {directory / WEIGHTS_FILE}: {err}") from err
+        saved = _read_quantization(directory)
+        if quantization == "gguf":
+            raise ValueError(f'quantization="gguf" keeps a GGUF file\'s own quantization; {directory} is a bundle')
+        if saved is not None and quantization not in (None, saved.get("method")):
+            raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=None "
+                             f"(requantizing {saved.get('method')} weights as {quantization} is not supported)")
+        weights_path = directory / WEIGHTS_FILE
         with torch.device("meta"):
             model = cls(config)
-        problems = shape_mismatches(model.state_dict(), state)
-        if problems:
-            raise ValueError(f"weights in {directory / WEIGHTS_FILE} do not fit its config: " + "; ".join(problems[:10]))
-        model.load_state_dict(state, assign=True)
+        try:
+            with safe_open(str(weights_path), framework="pt") as weights:
+                stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
+                names = set(weights.keys())
+                if saved is None and quantization is None:
+                    state = {name: weights.get_tensor(name) for name in names}
+                    problems = shape_mismatches(model.state_dict(), state)
+                    if problems:
+                        raise ValueError(f"weights in {weights_path} do not fit its config: " + "; ".join(problems[:10]))
+                    model.load_state_dict(state, assign=True)
+                else:
+                    model = _load_quantized(model, weights, names, saved, quantization, group_size, weights_path,
+                                            quantize, quantize_like)
+        except ValueError:
+            raise
+        except Exception as err:
+            raise ValueError(f"cannot read weights {weights_path}: {err}") from err
         model.generation_config = load_generation_config(directory) or GenerationConfig()
         model = model.to(device=device, dtype=dtype).eval()
         # the stored digest is of the file's tensors: it stands for the model's unless dtype cast
-        # them (an older bundle has none: identity() hashes the weights when first asked)
-        if stored_digest is not None and all(t.dtype == state[k].dtype for k, t in model.state_dict().items()):
+        # them or they were quantized while loading (an older bundle has none: identity() hashes
+        # the weights when first asked)
+        if stored_digest is not None and quantization is None and dtype is None:
             model._remember_digest(stored_digest)
         return model
+
+
+def _read_quantization(directory: Path) -> dict | None:
+    """The bundle's ``quantization.json``, or None; ValueError if it is not a JSON object."""
+    path = directory / QUANTIZATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(spec).__name__}")
+    return spec
+
+
+def _load_quantized(model, weights, names, saved, method, group_size, path, quantize, quantize_like):
+    """Fill the meta ``model`` from an open safetensors file: a saved quantized model
+    (``saved``, its quantization.json) or float weights quantized one tensor at a time."""
+    from llm.quant.quantize import EMBEDDING, HEAD, projections
+
+    if saved is not None:
+        owned = {f"{m}.{t}" for m in saved.get("quantized", []) for t in ("weight", "scales", "scales_and_zeros", "bias")}
+        if EMBEDDING in saved.get("quantized", []):
+            owned |= {f"{HEAD}.weight", f"{HEAD}.scales"}
+    else:
+        tied = model.lm_head is None
+        owned = {f"{name}.weight" for name in projections(model)} | {f"{EMBEDDING if tied else HEAD}.weight"}
+    plain = {name: weights.get_tensor(name) for name in names - owned}
+    expected = {k: v for k, v in model.state_dict().items() if k not in owned}
+    problems = shape_mismatches(expected, plain)
+    if problems:
+        raise ValueError(f"weights in {path} do not fit its config: " + "; ".join(problems[:10]))
+    model.load_state_dict(plain, strict=False, assign=True)
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in names:
+            raise ValueError(f"weights in {path} lack {name}")
+        return weights.get_tensor(name)
+
+    if saved is not None:
+        try:
+            quantize_like(model, saved, tensor)
+        except ValueError as err:
+            raise ValueError(f"weights in {path} do not fit its quantization.json: {err}") from err
+    else:
+        quantize(model, method, group_size, weights=tensor)
+    left = [k for k, v in model.state_dict().items() if v.device.type == "meta"]
+    if left:
+        raise ValueError(f"weights in {path} lack {left[:10]}")
+    return model

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llm import MosaicGPT, MosaicGPTConfig
+from llm.quant import quantize
 
 # The test models are tiny: one thread is faster than two, and immune to a busy second core
 # (two spinning OpenMP threads on a shared core made small forwards 30x slower here).
@@ -26,14 +27,21 @@ POSITION_SCHEMES = {
 }
 
 
-def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0, **overrides) -> MosaicGPT:
-    """A randomly initialised 2-layer model in eval mode (weights scaled up so logits vary)."""
+#: Weight modes every cache path is tested in: float, and the weight-only quantized ones (llm.quant).
+QUANTIZATIONS = [None, "int8", "int4"]
+
+
+def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0, quantization: str | None = None,
+               **overrides) -> MosaicGPT:
+    """A randomly initialised 2-layer model in eval mode (weights scaled up so logits vary),
+    quantized by ``llm.quant.quantize`` when ``quantization`` is "int8" or "int4"."""
     torch.manual_seed(seed)
     options = dict(vocab_size=61, max_seq_len=96, d_model=32, n_heads=4, n_layers=2, attn_impl=attn_impl,
                    init_std=0.2)
     options.update(POSITION_SCHEMES[scheme])
     options.update(overrides)
-    return MosaicGPT(MosaicGPTConfig(**options)).eval()
+    model = MosaicGPT(MosaicGPTConfig(**options)).eval()
+    return quantize(model, quantization) if quantization is not None else model
 
 
 @pytest.fixture(params=[(s, i) for s in POSITION_SCHEMES for i in ("torch", "sdpa")],

@@ -1,11 +1,11 @@
 """The three user stories in shared/seeds, adapted to our API: each gives the same tokens with and
-without the cache, for every position scheme."""
+without the cache, for every position scheme, in float and quantized weight modes."""
 
 import pytest
 import torch
 
 from llm import StaticCache
-from tests.conftest import POSITION_SCHEMES, tiny_model
+from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
 
 SCHEMES = list(POSITION_SCHEMES)
 
@@ -21,9 +21,10 @@ def greedy_without_cache(model, embeds, n):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_seed_000_iterative_generation_from_inputs_embeds_with_a_static_cache(scheme):
-    model = tiny_model(scheme)
+def test_seed_000_iterative_generation_from_inputs_embeds_with_a_static_cache(scheme, quantization):
+    model = tiny_model(scheme, quantization=quantization)
     embed = model.get_input_embeddings()
     prompt_cache = StaticCache(model.config, batch_size=1, max_cache_len=96)
 
@@ -50,8 +51,9 @@ def cut_pkv(pkv, length):
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("impl", ["torch", "sdpa"])
-def test_seed_002_past_key_values_with_two_new_tokens_each_step(scheme, impl):
-    model = tiny_model(scheme, impl)
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_seed_002_past_key_values_with_two_new_tokens_each_step(scheme, impl, quantization):
+    model = tiny_model(scheme, impl, quantization=quantization)
     prompt = torch.randint(0, 61, (1, 6))
 
     without = prompt
@@ -73,9 +75,10 @@ def test_seed_002_past_key_values_with_two_new_tokens_each_step(scheme, impl):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_seed_004_left_padded_batch_generates_each_row_as_if_alone(scheme):
-    model = tiny_model(scheme)
+def test_seed_004_left_padded_batch_generates_each_row_as_if_alone(scheme, quantization):
+    model = tiny_model(scheme, quantization=quantization)
     prompts = [torch.randint(0, 61, (n,)) for n in (9, 4, 1)]
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)

@@ -229,8 +229,10 @@ def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
-    """MosaicGPT's float32 state dict from an open Llama GGUF file, with ``config`` from :func:`gguf_config`.
+def _sources(reader, config: MosaicGPTConfig) -> dict[str, list[tuple[Any, int | None]]]:
+    """Where each of MosaicGPT's tensors comes from: a list of (GGUF tensor, heads to unpermute
+    or None) whose rows are concatenated (the fused Wqkv takes three). Checked before anything
+    is read: every tensor present, none unexpected, every shape as the config needs.
 
     Raises:
         ValueError: for a tensor of a type gguf cannot dequantize (naming tensor and type), an
@@ -268,36 +270,86 @@ def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
                         + [f"missing tensor(s) {missing[:8]}"] * bool(missing))
         )
 
-    expected = {
-        "wte.weight": (config.vocab_size, config.d_model), "lm_head.weight": (config.vocab_size, config.d_model),
-        "norm_f.weight": (config.d_model,),
-    }
-    state = {}
-    for name, ours in own.items():
-        if ours is not None:
-            state[ours] = _dequantize(tensors[name], path)
+    def shape(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+
+    sources = {ours: [(tensors[name], None)] for name, ours in own.items() if ours is not None}
     for i in range(config.n_layers):
-        q, k, v = (_dequantize(tensors[f"blk.{i}.attn_{p}.weight"], path) for p in "qkv")
-        for tensor, name, shape in ((q, "attn_q", (h * head_dim, config.d_model)),
-                                    (k, "attn_k", (kv * head_dim, config.d_model)),
-                                    (v, "attn_v", (kv * head_dim, config.d_model))):
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {tuple(tensor.shape)}, "
-                                 f"expected {shape}")
-        state[f"blocks.{i}.attn.Wqkv.weight"] = torch.cat([_unpermute(q, h), _unpermute(k, kv), v])
-        b = f"blocks.{i}."
-        expected.update({
-            b + "norm_1.weight": (config.d_model,), b + "norm_2.weight": (config.d_model,),
-            b + "attn.out_proj.weight": (config.d_model, h * head_dim),
-            b + "ffn.gate_proj.weight": (config.hidden_size, config.d_model),
-            b + "ffn.up_proj.weight": (config.hidden_size, config.d_model),
-            b + "ffn.down_proj.weight": (config.d_model, config.hidden_size),
-        })
-    wrong = [f"{k}: file has {tuple(state[k].shape)}, config needs {shape}"
-             for k, shape in expected.items() if k in state and tuple(state[k].shape) != shape]
+        parts = [(tensors[f"blk.{i}.attn_{p}.weight"], heads) for p, heads in (("q", h), ("k", kv), ("v", None))]
+        for (t, _), name, want in zip(parts, ("attn_q", "attn_k", "attn_v"),
+                                      ((h * head_dim, config.d_model), (kv * head_dim, config.d_model),
+                                       (kv * head_dim, config.d_model))):
+            if shape(t) != want:
+                raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {shape(t)}, expected {want}")
+        sources[f"blocks.{i}.attn.Wqkv.weight"] = parts
+    with torch.device("meta"):
+        expected = MosaicGPT(config).state_dict()
+    wrong = [f"{k}: file has {shape(parts[0][0])}, config needs {tuple(expected[k].shape)}"
+             for k, parts in sources.items() if len(parts) == 1 and shape(parts[0][0]) != tuple(expected[k].shape)]
     if wrong:
         raise ValueError(f"GGUF file {path}: tensors do not fit its metadata: " + "; ".join(wrong[:8]))
-    return state
+    return sources
+
+
+def _float(parts, path) -> torch.Tensor:
+    """A tensor from its sources (see :func:`_sources`), dequantized to float32."""
+    pieces = [_dequantize(t, path) for t, _ in parts]
+    pieces = [_unpermute(w, heads) if heads else w for w, (_, heads) in zip(pieces, parts)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
+    """MosaicGPT's float32 state dict from an open Llama GGUF file, with ``config`` from :func:`gguf_config`.
+
+    Raises:
+        ValueError: as :func:`_sources`.
+    """
+    return {name: _float(parts, reader.path) for name, parts in _sources(reader, config).items()}
+
+
+#: Bits per weight of GGUF types (rounded down): 6 or more are kept as int8, fewer as int4.
+_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+         "Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
+
+#: Bytes per block of 32 weights of the 4-bit types kept as int4 groups: (fp16 d[, fp16 m], 16 bytes of nibbles).
+_INT4_BLOCKS = {"Q4_0": 18, "Q4_1": 20}
+
+
+def int4_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 tensor's own codes, as int4 groups of 32 in the int4 kernel's convention.
+
+    A block of 32 weights holds an fp16 scale ``d`` (Q4_1: and an fp16 minimum ``m``) and 32
+    4-bit codes ``q`` (the low nibbles of its 16 bytes are weights 0-15, the high nibbles 16-31;
+    ggml-quants.c ``dequantize_row_q4_0/1``). Q4_0 means ``w = (q - 8) d`` and Q4_1
+    ``w = q d + m``; the kernel computes ``(q - 8) scale + zero``, so scale = d and zero = 0
+    (Q4_0) or ``m + 8 d`` (Q4_1). The codes are the file's own; nothing is requantized.
+
+    Returns:
+        (codes uint8 (rows, cols) in [0, 15], scales float32 (rows, cols // 32), zeros float32
+        (rows, cols // 32)).
+    """
+    name = tensor.tensor_type.name
+    rows = int(tensor.shape[1:].prod()) if len(tensor.shape) > 1 else 1
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1, _INT4_BLOCKS[name]))
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    nibbles = blocks[..., -16:]
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(rows, -1)
+    if name == "Q4_1":
+        zeros = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float() + 8 * d
+    else:
+        zeros = torch.zeros_like(d)
+    return codes, d, zeros
+
+
+def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The int4 groups of a tensor all of whose sources are Q4_0 / Q4_1, rows unpermuted; else None."""
+    if any(t.tensor_type.name not in _INT4_BLOCKS for t, _ in parts):
+        return None
+    pieces = []
+    for t, heads in parts:
+        blocks = int4_blocks(t)
+        pieces.append([_unpermute(b, heads) if heads else b for b in blocks])
+    return tuple(torch.cat(column) for column in zip(*pieces))
 
 
 def load_gguf(
@@ -306,26 +358,79 @@ def load_gguf(
     dtype: torch.dtype | None = torch.float32,
     device: torch.device | str | None = None,
     attn_impl: str = "sdpa",
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> MosaicGPT:
     """A MosaicGPT with the weights of a Llama-architecture GGUF file, in eval mode.
 
-    Every tensor is dequantized to float32, then cast to ``dtype`` (None: float32).
+    Args:
+        dtype: of the float weights, the activations and the cache (None: float32).
+        quantization: None: every tensor dequantized to float32, then cast to ``dtype``;
+            ``"int8"`` / ``"int4"``: each projection dequantized and quantized at once by
+            :func:`llm.quant.quantize` (the float model is never whole in memory);
+            ``"gguf"``: the file's own quantization where the kernels take it: Q4_0 / Q4_1
+            projections become int4 groups of 32 with the file's codes (:func:`int4_blocks`),
+            their fp16 scales rounded to the kernels' activation dtype (bfloat16 on fast CPUs);
+            projections of other types (Q8_0, K-quants, F16) are dequantized and quantized:
+            8-bit and wider to int8 per row, the rest to int4 groups of 32. The output layer
+            (and a tied embedding) is int8 per row in every mode (a Q8_0 embedding requantized
+            per row: one scale per vocabulary entry instead of one per 32 weights).
+        group_size: int4 group size for ``quantization="int4"``.
 
     Raises:
         FileNotFoundError: if there is no such file.
         ValueError: for an unreadable (truncated, corrupt) file, another architecture than Llama
             (naming it and the supported ones), a tensor type gguf cannot dequantize (naming the
-            tensor and type), or Llama options MosaicGPT does not implement.
+            tensor and type), Llama options MosaicGPT does not implement, or an unknown quantization.
     """
+    from llm.quant import Int4Linear, Int8Linear, quantize
+    from llm.quant.modules import QuantizationReport
+    from llm.quant.quantize import EMBEDDING, HEAD, default_activation_dtype, projections, quantize_head
+
+    if quantization not in (None, "int8", "int4", "gguf"):
+        raise ValueError(f"quantization must be None, 'int8', 'int4' or 'gguf', got {quantization!r}")
     reader = read_gguf(path)
     config = gguf_config(reader, attn_impl=attn_impl)
-    state = gguf_state_dict(reader, config)
+    sources = _sources(reader, config)
     with torch.device("meta"):
         model = MosaicGPT(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device=device, dtype=dtype or torch.float32).eval()
+    if quantization is None:
+        state = {name: _float(parts, reader.path) for name, parts in sources.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.to(device=device, dtype=dtype or torch.float32).eval()
+    owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
+    model.load_state_dict({name: _float(parts, reader.path) for name, parts in sources.items() if name not in owned},
+                          strict=False, assign=True)
+    model = model.to(device=device, dtype=dtype or torch.float32)
+    if quantization in ("int8", "int4"):
+        quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path))
+        return model.eval()
 
-
+    act = default_activation_dtype(model.device)
+    report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf")
+    for name in projections(model):
+        parts = sources[name + ".weight"]
+        linear = model.get_submodule(name)
+        native = _native_int4(parts, reader.path)
+        if native is not None:
+            module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act)
+        else:
+            types = sorted({t.tensor_type.name for t, _ in parts})
+            weight = _float(parts, reader.path).to(model.device)
+            if min(_BITS.get(t, 16) for t in types) >= 6:
+                module = Int8Linear.from_float(weight, linear.bias, act)
+                report.kept[name] = f"{'/'.join(types)}: requantized to int8 per row"
+            else:
+                module = Int4Linear.from_float(weight, linear.bias, 32, act)
+                report.kept[name] = f"{'/'.join(types)}: requantized to int4 groups of 32"
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+        report.quantized.append(name)
+    head = HEAD if model.lm_head is not None else EMBEDDING
+    quantize_head(model, _float(sources[head + ".weight"], reader.path).to(model.device), act)
+    report.quantized.append(head)
+    model.quantization = report
+    return model.eval()
 # -- tokenizer ---------------------------------------------------------------------------------
 def gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a GGUF file, as a transformers ``PreTrainedTokenizerFast``.

@@ -6,13 +6,14 @@ import itertools
 import pytest
 import torch
 
-from tests.conftest import POSITION_SCHEMES, tiny_model
+from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", list(POSITION_SCHEMES))
-def test_reference_decoding_is_greedy_decoding_and_copies_in_few_forwards(scheme):
-    model = tiny_model(scheme)
+def test_reference_decoding_is_greedy_decoding_and_copies_in_few_forwards(scheme, quantization):
+    model = tiny_model(scheme, quantization=quantization)
     prompt = torch.randint(0, 61, (1, 8))
     plain = model.generate(prompt, max_new_tokens=40, return_dict_in_generate=True)
     answer = plain.sequences[0, 8:]
@@ -56,10 +57,11 @@ def test_heuristic_schedule_shortens_failing_drafts_and_keeps_right_ones_long():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", ["learned", "alibi", "llama"])
-def test_draft_model_decoding_is_greedy_decoding(scheme):
-    model = tiny_model(scheme)
-    draft = tiny_model(scheme, seed=5, n_layers=1)
+def test_draft_model_decoding_is_greedy_decoding(scheme, quantization):
+    model = tiny_model(scheme, quantization=quantization)
+    draft = tiny_model(scheme, seed=5, n_layers=1, quantization=quantization)
     prompt = torch.randint(0, 61, (1, 6))
     plain = model.generate(prompt, max_new_tokens=30)
     out = model.generate(prompt, max_new_tokens=30, assistant_model=draft, num_assistant_tokens=3,

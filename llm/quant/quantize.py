@@ -1,0 +1,177 @@
+"""``quantize(model, "int8" | "int4")``: swap a model's projections for weight-only quantized ones.
+
+A module swap, as gpt-fast's ``WeightOnlyInt8QuantHandler`` / ``WeightOnlyInt4QuantHandler``:
+every ``nn.Linear`` of the transformer blocks becomes an :class:`~llm.quant.Int8Linear` or
+:class:`~llm.quant.Int4Linear`; the output layer becomes an int8 :class:`~llm.quant.Int8Linear`
+in both modes (as llama.cpp's 4-bit files keep it at 6 or 8 bits: the logits are the most
+sensitive product), and when the embeddings are tied the token embedding becomes an
+:class:`~llm.quant.Int8Embedding` sharing its storage. Layers a kernel cannot take stay in
+floating point, and the report names them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch import nn
+
+from llm.kernels.quant import INT4_GROUP_SIZES, int4_supported
+from llm.model import QUANTIZATION_FILE
+from llm.quant.modules import Int4Linear, Int8Embedding, Int8Linear, QuantizationReport
+
+METHODS = ("int8", "int4")
+HEAD = "lm_head"
+EMBEDDING = "wte"
+
+log = logging.getLogger(__name__)
+
+TensorSource = Callable[[str], torch.Tensor]
+
+
+def default_activation_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bfloat16 where the kernels are fastest with it (CUDA, and CPUs with AVX512-BF16 or AMX,
+    where torch's CPU capability is AVX512), else float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else torch.float32
+
+
+def projections(model: nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules of the transformer blocks (attention and feed-forward)."""
+    return [name for name, module in model.named_modules() if name.startswith("blocks.") and isinstance(module, nn.Linear)]
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _check(method: str, group_size: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"quantization method must be one of {METHODS}, got {method!r}")
+    if method == "int4" and (isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES):
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES} for int4, got {group_size!r}")
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dtype: torch.dtype | None = None,
+             *, weights: TensorSource | None = None) -> nn.Module:
+    """Quantize ``model``'s weights in place (a module swap); returns the model.
+
+    Args:
+        model: a :class:`~llm.model.MosaicGPT` (in eval mode for inference; quantized layers have
+            no gradients).
+        method: ``"int8"`` (symmetric, one scale per output feature) or ``"int4"`` (asymmetric,
+            a scale and a zero per ``group_size`` inputs); the output layer is int8 in both.
+        group_size: inputs per int4 group (32, 64, 128 or 256); int8 has one scale per row (the
+            group size is then recorded but unused).
+        activation_dtype: the dtype activations enter the kernels in; default
+            :func:`default_activation_dtype` of the model's device (bfloat16 on fast CPUs).
+        weights: where to read float weights from, by state-dict name (e.g. a file being loaded,
+            so that the float model is never held whole); default: the model's own.
+
+    Returns:
+        The model, with ``model.quantization`` a :class:`~llm.quant.QuantizationReport` (also
+        logged when a layer had to stay in floating point).
+
+    Raises:
+        ValueError: for an unknown method or a bad group size; if the model is already quantized.
+    """
+    _check(method, group_size)
+    if getattr(model, "quantization", None) is not None:
+        raise ValueError(f"the model is already quantized ({model.quantization.method}); load it again to requantize")
+    device = model.norm_f.weight.device
+    act = activation_dtype or default_activation_dtype(device)
+    report = QuantizationReport(method, group_size, str(act).removeprefix("torch."))
+
+    def weight(name: str) -> torch.Tensor:
+        return weights(name + ".weight") if weights is not None else model.get_submodule(name).weight
+
+    for name in projections(model):
+        linear = model.get_submodule(name)
+        if method == "int4":
+            why = int4_supported(linear.out_features, linear.in_features, group_size, device)
+            if why is not None:
+                report.kept[name] = why
+                if weights is not None:
+                    linear.weight = nn.Parameter(weight(name).to(device), requires_grad=False)
+                continue
+            module = Int4Linear.from_float(weight(name).to(device), linear.bias, group_size, act)
+        else:
+            module = Int8Linear.from_float(weight(name).to(device), linear.bias, act)
+        _set(model, name, module)
+        report.quantized.append(name)
+    head = model.lm_head.weight if model.lm_head is not None else model.wte.weight
+    if weights is not None:
+        head = weights((HEAD if model.lm_head is not None else EMBEDDING) + ".weight")
+    report.quantized.append(quantize_head(model, head.to(device), act))
+    if report.kept:
+        log.warning("quantize(%s): %d layer(s) stay in floating point: %s", method, len(report.kept),
+                    "; ".join(f"{k} ({v})" for k, v in report.kept.items()))
+    model.quantization = report
+    return model
+
+
+def quantize_head(model: nn.Module, weight: torch.Tensor, activation_dtype: torch.dtype) -> str:
+    """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model); with
+    tied embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer
+    shares its storage. Returns the name of the module quantized (``lm_head`` or ``wte``)."""
+    if model.lm_head is not None:
+        _set(model, HEAD, Int8Linear.from_float(weight, model.lm_head.bias, activation_dtype))
+        return HEAD
+    embedding = Int8Embedding.from_float(weight)
+    embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
+    model.wte = embedding
+    model.lm_head = embedding.tied_head(activation_dtype)
+    return EMBEDDING
+
+
+def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource) -> nn.Module:
+    """Rebuild the quantized modules that ``spec`` (a saved :class:`QuantizationReport`, see
+    :data:`QUANTIZATION_FILE`) lists, from their saved tensors (``tensors(state_dict_name)``).
+
+    Every other tensor of the model is the caller's to load. Returns the model, with
+    ``model.quantization`` set.
+
+    Raises:
+        ValueError: for a spec that is not a quantization report, or a tensor of the wrong dtype or shape.
+    """
+    try:
+        report = QuantizationReport(**spec)
+        _check(report.method, report.group_size)
+        act = getattr(torch, report.activation_dtype)
+    except (TypeError, AttributeError) as err:
+        raise ValueError(f"not a quantization description: {spec!r} ({err})") from err
+    device = model.norm_f.weight.device
+
+    def tensor(name: str, dtype: torch.dtype | None, shape: tuple) -> torch.Tensor:
+        t = tensors(name)
+        if (dtype is not None and t.dtype != dtype) or tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected {dtype or 'float'} {shape}, got {t.dtype} {tuple(t.shape)}")
+        return t.to(device)
+
+    def bias(name: str, linear: nn.Module) -> torch.Tensor | None:
+        return None if getattr(linear, "bias", None) is None else tensor(name + ".bias", None, (linear.out_features,))
+
+    for name in report.quantized:
+        if name == EMBEDDING:
+            vocab, dim = model.wte.num_embeddings, model.wte.embedding_dim
+            embedding = Int8Embedding(tensor("wte.weight", torch.int8, (vocab, dim)), tensor("wte.scales", None, (vocab,)))
+            model.wte = embedding
+            model.lm_head = embedding.tied_head(act)
+            continue
+        linear = model.get_submodule(name)
+        n, k = linear.out_features, linear.in_features
+        if report.method == "int4" and name != HEAD:
+            sz = tensor(name + ".scales_and_zeros", None, (k // report.group_size, n, 2))
+            module = Int4Linear(tensor(name + ".weight", torch.uint8, (n, k)), sz[..., 0].t(), sz[..., 1].t(),
+                                bias(name, linear), report.group_size, act)
+        else:
+            module = Int8Linear(tensor(name + ".weight", torch.int8, (n, k)), tensor(name + ".scales", None, (n,)),
+                                bias(name, linear), act)
+        _set(model, name, module)
+    model.quantization = report
+    return model

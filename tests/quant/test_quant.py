@@ -1,0 +1,192 @@
+"""Weight-only quantization: the kernels against dequantized references, GGUF's own Q4 blocks kept
+exactly, quantized bundles that save and load to the same logits, and clear errors."""
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from llm import MosaicGPT, MosaicGPTConfig
+from llm.convert import PRETRAINED
+from llm.convert.gguf import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
+from llm.quant import Int4Linear, Int8Linear, quantize
+from llm.quant.modules import int4_groups
+from tests.conftest import tiny_model
+
+GGUF = Path(__file__).resolve().parents[2] / PRETRAINED["smollm2-135m-instruct"]
+needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `make data`")
+
+
+def kernel_weight(module: Int4Linear) -> torch.Tensor:
+    """The float32 weight an Int4Linear multiplies by, read through its own kernel."""
+    eye = torch.eye(module.in_features, dtype=module.activation_dtype)
+    return module(eye).float().t()
+
+
+def fake_q4_0(rows: int, cols: int, seed: int = 0):
+    """A Q4_0 tensor as the gguf reader gives one: per block of 32, an fp16 scale and 16 bytes of nibbles."""
+    rng = np.random.default_rng(seed)
+    d = (rng.random((rows, cols // 32)) * 0.1).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, cols // 32, 2),
+                             rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)], axis=-1)
+    return SimpleNamespace(tensor_type=GGMLQuantizationType.Q4_0, data=blocks.reshape(rows, -1),
+                           shape=np.array([cols, rows]))
+
+
+def check_blocks(tensor, rows: int, cols: int) -> None:
+    codes, scales, zeros = int4_blocks(tensor)
+    reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(rows, cols).astype(np.float32))
+    exact = Int4Linear(codes, scales, zeros, None, 32, torch.float32)
+    # the file's codes are kept: reading them back gives them unchanged
+    assert torch.equal(exact.codes(), codes)
+    # with float32 scales the kernel multiplies by the GGUF's own dequantization (up to fp32 rounding
+    # of (q - 8) d + (m + 8 d) against q d + m)
+    torch.testing.assert_close(kernel_weight(exact), reference, atol=1e-6 * float(reference.abs().max()), rtol=0)
+    # with bfloat16 scales (the fast path) the only change is the rounding of d and m + 8d to bfloat16
+    fast = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16)
+    assert torch.equal(fast.scales_and_zeros.float(), torch.stack([scales.t(), zeros.t()], -1).bfloat16().float())
+    rounded = Int4Linear(codes, scales.bfloat16().float(), zeros.bfloat16().float(), None, 32, torch.float32)
+    bound = (8 * scales.abs() + zeros.abs()) * 2**-8 + 1e-6  # bfloat16 keeps 8 significant bits
+    error = (kernel_weight(rounded) - reference).abs().view(rows, cols // 32, 32).amax(-1)
+    assert bool((error <= bound).all())
+
+
+def test_q4_0_blocks_map_onto_int4_groups_without_requantizing():
+    check_blocks(fake_q4_0(64, 96), 64, 96)
+
+
+@needs_file
+def test_q4_1_blocks_of_the_real_file_map_onto_int4_groups_without_requantizing():
+    reader = read_gguf(GGUF)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight")
+    assert tensor.tensor_type.name == "Q4_1"
+    check_blocks(tensor, 192, 576)
+
+
+@needs_file
+def test_gguf_native_model_keeps_the_files_projections():
+    model = load_gguf(GGUF, quantization="gguf")
+    assert model.quantization.source == "gguf" and model.quantization.kept == {}
+    reader = read_gguf(GGUF)
+    sources = _sources(reader, gguf_config(reader))
+    # the fused, unpermuted Wqkv of a layer: its codes are the file's q, k and v codes
+    wqkv = model.blocks[3].attn.Wqkv
+    assert isinstance(wqkv, Int4Linear) and wqkv.activation_dtype == torch.bfloat16
+    reference = _float(sources["blocks.3.attn.Wqkv.weight"], reader.path)
+    exact = Int4Linear(wqkv.codes(), wqkv.scales_and_zeros[..., 0].t().float(),
+                       wqkv.scales_and_zeros[..., 1].t().float(), None, 32, torch.float32)
+    # bfloat16 scales: each weight within the rounding of its block's scale and zero
+    assert float((kernel_weight(exact) - reference).abs().max()) < 2**-8 * float(reference.abs().max()) * 9
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight is model.wte.weight
+    ids = torch.tensor([[1, 504, 2660, 314, 253, 1953, 28, 2055, 2012, 3260]])
+    with torch.no_grad():
+        ours = model(ids).logits
+        reference_logits = load_gguf(GGUF)(ids).logits
+    # the same next tokens as the dequantized float32 model on this text
+    assert torch.equal(ours.argmax(-1)[0, 3:], reference_logits.argmax(-1)[0, 3:])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linears_multiply_by_their_dequantized_weights(method):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 5, 64)
+    if method == "int8":
+        module = Int8Linear.from_float(weight, bias, torch.bfloat16)
+        dequantized = module.weight.float() * module.scales[:, None]
+    else:
+        module = Int4Linear.from_float(weight, bias, 32, torch.bfloat16)
+        codes, scales, zeros = int4_groups(weight, 32)
+        dequantized = ((codes.float() - 8).view(96, 2, 32) * scales[..., None] + zeros[..., None]).view(96, 64)
+        assert torch.equal(module.codes(), codes)
+    # round to nearest: within half a step of the float weight
+    step = (dequantized - weight).abs().max()
+    assert float(step) < (0.5 / 127 if method == "int8" else 0.5 / 15) * float(weight.abs().max()) * 2 + 1e-6
+    reference = x.bfloat16().float() @ dequantized.bfloat16().float().t()
+    out = module(x)
+    assert out.dtype == torch.float32 and out.shape == (2, 5, 96)
+    torch.testing.assert_close(out - bias, reference, atol=2**-7 * float(reference.abs().max()), rtol=0)
+
+
+def test_layers_the_kernel_cannot_take_stay_float_and_are_reported(caplog):
+    model = tiny_model("llama", d_model=48, n_heads=4, kv_n_heads=2)  # in_features 48: no int4 group of 32
+    with caplog.at_level(logging.WARNING):
+        quantize(model, "int4")
+    kept = model.quantization.kept
+    assert set(kept) == {f"blocks.{i}.{m}" for i in range(2) for m in ("attn.Wqkv", "attn.out_proj", "ffn.gate_proj",
+                                                                        "ffn.up_proj")}
+    assert all("not a multiple of group_size 32" in why for why in kept.values())
+    assert isinstance(model.blocks[0].ffn.down_proj, Int4Linear)  # in_features 192
+    assert "stay in floating point" in caplog.text and "blocks.0.attn.Wqkv" in caplog.text
+    assert torch.isfinite(model(torch.randint(0, 61, (1, 5))).logits).all()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["learned", "llama"])  # tied and untied output layers
+def test_quantized_bundles_load_back_to_the_same_logits(tmp_path, method, scheme):
+    float_model = tiny_model(scheme)
+    float_model.save_pretrained(tmp_path / "float")
+    model = quantize(tiny_model(scheme), method)
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.save_pretrained(tmp_path / "q")
+        loaded = MosaicGPT.from_pretrained(tmp_path / "q")
+        assert loaded.quantization.to_dict() == model.quantization.to_dict()
+        assert torch.equal(loaded(ids).logits, expected)
+        assert loaded.identity() == model.identity()
+        # quantizing while loading a float bundle is quantizing after loading it
+        assert torch.equal(MosaicGPT.from_pretrained(tmp_path / "float", quantization=method)(ids).logits, expected)
+    spec = json.loads((tmp_path / "q" / "quantization.json").read_text())
+    assert spec["method"] == method
+    # saved again in float, the folder forgets its quantization
+    float_model.save_pretrained(tmp_path / "q")
+    assert not (tmp_path / "q" / "quantization.json").exists()
+    assert MosaicGPT.from_pretrained(tmp_path / "q").quantization is None
+
+
+def test_quantization_errors_name_the_problem(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"quantization method must be one of \('int8', 'int4'\), got 'int3'"):
+        quantize(model, "int3")
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize(model, "int4", group_size=48)
+    quantize(model, "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(model, "int4")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="holds int8 weights"):
+        MosaicGPT.from_pretrained(tmp_path, quantization="int4")
+    with pytest.raises(ValueError, match="keeps a GGUF file's own quantization"):
+        MosaicGPT.from_pretrained(tmp_path, quantization="gguf")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        MosaicGPT.from_pretrained(tmp_path, quantization="q4")
+    (tmp_path / "quantization.json").write_text('{"method": "int8"')
+    with pytest.raises(ValueError, match="cannot read .*quantization.json"):
+        MosaicGPT.from_pretrained(tmp_path)
+    # a float bundle whose quantization.json claims a layer is int8
+    tiny_model().save_pretrained(tmp_path / "plain")
+    (tmp_path / "plain" / "quantization.json").write_text(json.dumps(
+        {"method": "int8", "group_size": 32, "activation_dtype": "bfloat16", "quantized": ["blocks.0.attn.Wqkv"],
+         "kept": {}}))
+    with pytest.raises(ValueError, match=r"do not fit its quantization.json: blocks.0.attn.Wqkv.weight: expected "
+                                         r"torch.int8"):
+        MosaicGPT.from_pretrained(tmp_path / "plain")
+
+
+@torch.no_grad()
+def test_a_quantized_model_casts_and_keeps_working():
+    model = quantize(tiny_model("llama"), "int4")
+    ids = torch.randint(0, 61, (1, 7))
+    before = model(ids).logits
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.blocks[0].attn.Wqkv.activation_dtype == torch.bfloat16
+    after = model(ids).logits
+    assert after.dtype == torch.bfloat16
+    # a bfloat16 residual stream: close to the float32 one, not equal
+    torch.testing.assert_close(after.float(), before, atol=0.15 * float(before.abs().max()), rtol=0)
