@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DATA_STAMP := data/.fetched
 WHEELS := data/wheels
 
-.PHONY: install data data-english train test clean
+.PHONY: install data data-english train test clean bench-peers
 
 SHAKESPEARE_BPE := data/shakespeare/bpe-2048/llm_data.json
 SHAKESPEARE_CHAR := data/shakespeare/char/llm_data.json
@@ -72,6 +72,28 @@ train: install
 
 test: install
 	$(PY) -m pytest -q
+
+# llama.cpp as a benchmark peer (scripts/bench_generate.py --fast), in a venv of its own: never .venv, never CI.
+# llama-cpp-python compiles llama.cpp for this CPU (minutes on 2 cores). The .pth file makes .venv's packages
+# and the repo importable there, so that one process can hold both runtimes; --no-deps keeps pip away from
+# .venv's packages, which it sees through that file (diskcache is the one dependency .venv lacks).
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+LLAMA_CPP_PYTHON := 0.3.36
+PURELIB := import sysconfig; print(sysconfig.get_paths()["purelib"])
+BENCH_PEERS_ARGS ?=
+
+$(PEERS_STAMP): $(STAMP)
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	printf '%s\n%s\n' "$(CURDIR)" "$$($(PY) -c '$(PURELIB)')" > "$$($(PEERS_VENV)/bin/python -c '$(PURELIB)')/llm-main-venv.pth"
+	$(PEERS_VENV)/bin/pip install --no-deps diskcache==5.6.3
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PEERS_VENV)/bin/pip install --no-deps --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	$(PEERS_VENV)/bin/python -c "import llama_cpp, torch, llm"
+	$(PIP) check
+	touch $@
+
+bench-peers: $(PEERS_STAMP) $(DATA_STAMP)
+	$(PEERS_VENV)/bin/python scripts/bench_generate.py --fast $(BENCH_PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) data models runs

@@ -41,17 +41,39 @@ class Cache:
         self._lengths: list[int] = []
 
     # -- the interface the model uses -------------------------------------------------------
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, cache_position: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one layer's new keys and values; return all of that layer's keys and values.
 
         Args:
             key, value: (batch, kv_n_heads, new_tokens, head_dim).
             layer_idx: the layer, 0-based; layers are first written in order.
+            cache_position: None to append; or a (new_tokens,) int64 tensor of the buffer positions
+                to write (gpt-fast's ``KVCache.update(input_pos, k, v)``), for a storage already
+                allocated (a :class:`StaticCache` made with a config and a batch size). The length
+                is then NOT moved (no Python-side bookkeeping, so a compiled step has fixed shapes):
+                the caller sets it with :meth:`StaticCache.set_seq_length`.
 
         Returns:
-            (keys, values), each (batch, kv_n_heads, past + new_tokens, head_dim): views of the
-            cache's storage, valid until the cache is next written.
+            (keys, values): appending, each (batch, kv_n_heads, past + new_tokens, head_dim) views
+            of the cache's storage, valid until the cache is next written; with ``cache_position``,
+            the whole storage, (batch, kv_n_heads, capacity, head_dim), whose positions past the
+            written ones hold stale values for the caller's mask to hide.
+
+        Raises:
+            ValueError: with ``cache_position``, if the layer's storage is not allocated.
         """
+        if cache_position is not None:
+            if layer_idx >= len(self._keys):
+                raise ValueError(
+                    "a write at cache_position needs allocated storage: make the StaticCache with a config "
+                    "and a batch size"
+                )
+            keys, values = self._keys[layer_idx], self._values[layer_idx]
+            keys.index_copy_(2, cache_position, key)
+            values.index_copy_(2, cache_position, value)
+            return keys, values
         if layer_idx == len(self._keys):
             self._allocate_layer(key, value)
         start = self._lengths[layer_idx]
@@ -393,6 +415,18 @@ class StaticCache(Cache):
 
     def get_max_length(self) -> int:
         return self.max_cache_len
+
+    def set_seq_length(self, length: int) -> "StaticCache":
+        """Declare the first ``length`` positions of every layer valid, after writes at
+        ``cache_position`` (see :meth:`Cache.update`), which do not move the length. Returns self.
+
+        Raises:
+            ValueError: if ``length`` is not in [0, max_cache_len].
+        """
+        if not 0 <= length <= self.max_cache_len:
+            raise ValueError(f"length must be in [0, max_cache_len={self.max_cache_len}], got {length}")
+        self._lengths = [length] * len(self._keys)
+        return self
 
     def validate(self, config, batch_size, new_tokens, dtype=None):
         super().validate(config, batch_size, new_tokens, dtype)

@@ -165,8 +165,17 @@ class MosaicGPT(nn.Module):
         return super().train(mode)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (tied weights counted once)."""
+        """Number of parameters (tied weights counted once); a quantized weight counts its
+        logical (out_features x in_features) elements, as before quantization."""
         n = sum(p.numel() for p in self.parameters())
+        shared = set()
+        for module in self.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter) and weight.data_ptr() not in shared:
+                shared.add(weight.data_ptr())
+                n += getattr(module, "out_features", 0) * getattr(module, "in_features", 0) or weight.numel()
+                bias = getattr(module, "bias", None)
+                n += bias.numel() if bias is not None else 0
         if exclude_embeddings:
             n -= self.wte.weight.numel() + (self.wpe.weight.numel() if self.wpe is not None else 0)
         return n

@@ -1,4 +1,4 @@
-"""``scripts/eval.py CONFIG.yaml (load_path=CKPT | --model DIR_OR_NAME) [--out FILE] [key=value ...]``.
+"""``scripts/eval.py CONFIG.yaml (load_path=CKPT | --model DIR_OR_NAME) [--out FILE] [--quantize Q] [--compile] [key=value ...]``.
 
 Evaluates a checkpoint of the config's run, or an exported bundle / ``.gguf`` / registered model,
 on the config's ``eval_loader`` (see :mod:`llm.train.evaluate`): prints a table of nats/token,
@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="a training config (YAML)")
     parser.add_argument("--model", help="a bundle directory, .gguf file or registered name (instead of load_path=)")
     parser.add_argument("--out", help="where to write the JSON results")
+    parser.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
+                        help="weight-only quantization (gguf: keep a .gguf model's own 4-bit blocks)")
+    parser.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. load_path=CKPT")
     return parser
 
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError("give load_path=CHECKPOINT or --model DIR_OR_NAME")
         from llm.train.evaluate import default_output, evaluate, format_table, write_report
 
-        report = evaluate(cfg, load_path=None if args.model else cfg.get("load_path"), model=args.model)
+        report = evaluate(cfg, load_path=None if args.model else cfg.get("load_path"), model=args.model,
+                          quantization=args.quantize, compile=args.compile)
     except (CliError, ValueError, FileNotFoundError) as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2

@@ -399,9 +399,8 @@ def load_gguf(
         model.load_state_dict(state, strict=True, assign=True)
         return model.to(device=device, dtype=dtype or torch.float32).eval()
     owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
-    model.load_state_dict({name: _float(parts, reader.path) for name, parts in sources.items() if name not in owned},
-                          strict=False, assign=True)
-    model = model.to(device=device, dtype=dtype or torch.float32)
+    model.load_state_dict({name: _float(parts, reader.path).to(device=device, dtype=dtype or torch.float32)
+                           for name, parts in sources.items() if name not in owned}, strict=False, assign=True)
     if quantization in ("int8", "int4"):
         quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path))
         return model.eval()

@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")
     p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
+                   help="weight-only quantization of the model and draft (gguf: keep a .gguf file's own 4-bit blocks)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile over a static cache (the first call of a shape compiles, "
+                        "or loads inductor's disk cache; needs a C++ compiler, else runs uncompiled with a warning)")
     return p
 
 
@@ -241,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-cache holds the --system prefix: give --system too")
     try:
         dtype = DTYPES[args.dtype]
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype)
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize)
         tokenizer = load_tokenizer(args.model)
         draft = None
         if args.speculative == "draft":
-            draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype)
+            draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype,
+                                              quantization=args.quantize)
         if args.chat and not tokenizer.chat_template:
             parser.error(f"--chat: the tokenizer of {args.model} has no chat template")
         options = _generation_config(args, tokenizer, parser.prog)
@@ -272,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.chat:
                     print(requests[start][1], end="", flush=True)
             out = generate(model, ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=past,
-                           streamer=streamer, generation_config=options, tokenizer=tokenizer, assistant_model=draft)
+                           streamer=streamer, generation_config=options, tokenizer=tokenizer, assistant_model=draft,
+                           compile=args.compile)
             for row, (_, text) in enumerate(requests[start:start + step]):
                 completion = tokenizer.decode(out.sequences[row, ids.shape[1]:], skip_special_tokens=True)
                 if not args.stream:

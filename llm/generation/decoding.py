@@ -21,6 +21,7 @@ import torch
 
 from llm.cache import Cache, DynamicCache
 from llm.generation.candidates import DraftModel, DraftSchedule
+from llm.generation.compiled import PREFILL_CHUNK, StaticDecoder, verify_chunk
 from llm.generation.config import GenerationConfig
 from llm.generation.sampling import Sampler
 
@@ -87,13 +88,15 @@ class Decoding:
         options: the validated options; sampler: made from them.
         stop: a :class:`StopStrings` or None; proposer: a draft proposer
             (:mod:`llm.generation.candidates`) or None for plain decoding.
+        compile: run the model's forwards through the compiled static-cache steps of
+            :mod:`llm.generation.compiled` (a given past_key_values is copied, not written).
 
     Raises:
         ValueError: for a prompt, mask, cache or pad id that does not fit (see ``generate``).
     """
 
     def __init__(self, model, input_ids, inputs_embeds, attention_mask, past_key_values, options: GenerationConfig,
-                 sampler: Sampler, stop: StopStrings | None, proposer):
+                 sampler: Sampler, stop: StopStrings | None, proposer, compile: bool = False):
         self.model, self.sampler, self.stop, self.proposer = model, sampler, stop, proposer
         self.schedule = (DraftSchedule(proposer.num_tokens, options.num_assistant_tokens_schedule)
                          if proposer is not None else None)
@@ -139,6 +142,13 @@ class Decoding:
         if proposer is not None and (self.batch != 1 or self.padded):
             raise ValueError("speculative decoding runs one unpadded row at a time (generate splits batches)")
         self._find_last_real_tokens()
+        self.static = None
+        if compile:
+            draft = proposer.num_tokens if proposer is not None else 0
+            prefill_end = self.cached + -(-(self.prompt_len - self.cached) // PREFILL_CHUNK) * PREFILL_CHUNK
+            writes = max(prefill_end, needed + (verify_chunk(draft) if draft else 0))
+            self.static = StaticDecoder(model, self.mask, writes, cache, compile=True, draft_tokens=draft)
+            self.cache = self.static.cache
 
         self.eos = None
         if options.eos_token_id is not None:
@@ -186,6 +196,9 @@ class Decoding:
         self.logits_to_keep = self.prompt_len - int(self.last.min())
 
     def _forward(self, new: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        if self.static is not None:  # all positions fed: (batch, n, vocab)
+            self.stats["forward_passes"] += 1
+            return self.static.forward(new)
         key = "input_ids" if new.dim() == 2 else "inputs_embeds"
         out = self.model(**{key: new}, attention_mask=self.mask if self.padded else None,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
@@ -194,10 +207,7 @@ class Decoding:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         start = time.perf_counter()
-        logits = self._forward(self.prompt[:, self.cached:], self.logits_to_keep)
-        first_kept = self.prompt_len - self.logits_to_keep
-        logits = logits[torch.arange(self.batch, device=logits.device), self.last - first_kept]
-        token = self.sampler.pick(logits, self.seen)
+        token = self.sampler.pick(self._prefill(), self.seen)
         self.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         chunk = self._emit(token[:, None])
@@ -206,6 +216,16 @@ class Decoding:
             chunk = self._step(chunk[:, -1])
             yield chunk
         self.decode_s = time.perf_counter() - start
+
+    def _prefill(self) -> torch.Tensor:
+        """Run the uncached prompt; return (batch, vocab) logits at each row's last real token."""
+        new = self.prompt[:, self.cached:]
+        if self.static is not None:
+            self.stats["forward_passes"] += -(-new.shape[1] // PREFILL_CHUNK)
+            return self.static.prefill(new, self.mask, self.last)
+        logits = self._forward(new, self.logits_to_keep)
+        first_kept = self.prompt_len - self.logits_to_keep
+        return logits[torch.arange(self.batch, device=logits.device), self.last - first_kept]
 
     def _step(self, last: torch.Tensor) -> torch.Tensor:
         """Feed the last token (and a draft); return the (batch, n) tokens emitted."""

@@ -32,7 +32,7 @@ def _options(model, generation_config: GenerationConfig | None, overrides: dict)
 
 
 def _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values, options: GenerationConfig,
-               tokenizer, reference_ids, assistant_model) -> list[Decoding]:
+               tokenizer, reference_ids, assistant_model, compile: bool = False) -> list[Decoding]:
     """Check the inputs against the model; return the per-row (speculative) or whole-batch decodings."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -76,7 +76,7 @@ def _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values,
             return PromptLookup(lookup, options.max_matching_ngram_size or 2, references)
         return None
 
-    common = dict(options=options, sampler=sampler, stop=stop)
+    common = dict(options=options, sampler=sampler, stop=stop, compile=compile)
     mask = attention_mask
     if not speculative or (input_ids.shape[0] == 1 and (mask is None or bool(mask.bool().all()))):
         return [Decoding(model, input_ids, inputs_embeds, attention_mask, past_key_values, proposer=proposer(),
@@ -97,7 +97,7 @@ def _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values,
 def generate(model, input_ids: torch.Tensor | None = None, *, generation_config: GenerationConfig | None = None,
              inputs_embeds: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
              past_key_values=None, tokenizer=None, streamer=None, reference_ids=None, assistant_model=None,
-             **overrides) -> torch.Tensor | GenerateOutput:
+             compile: bool = False, **overrides) -> torch.Tensor | GenerateOutput:
     """Greedy or sampled decoding with a KV cache, plain or speculative (transformers' conventions).
 
     The prompt is prefilled in one forward. Each later forward feeds the last new token, plus
@@ -131,6 +131,14 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
             (``prompt_lookup_num_tokens``) copies drafts from, besides the prompt and output.
         assistant_model: a smaller MosaicGPT of the same vocabulary that proposes
             ``num_assistant_tokens`` draft tokens per step.
+        compile: run the model's forwards as gpt-fast does: over a static cache with fixed shapes,
+            through ``torch.compile`` (:mod:`llm.generation.compiled`): the first call of a shape
+            compiles (or loads from inductor's disk cache), later calls of any position and
+            prompt length reuse it. The prompt is prefilled in chunks; a given
+            ``past_key_values`` is copied into the static buffer, not written in place (the
+            returned ``GenerateOutput.past_key_values`` is the static cache). Without a working
+            C++ compiler this warns once and runs the same path uncompiled. The draft model of
+            ``assistant_model`` runs uncompiled.
 
     Returns:
         With input_ids: (batch, T + new) int64, the prompt as given followed by the new tokens
@@ -148,7 +156,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
     """
     options = _options(model, generation_config, overrides)
     decodings = _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values, options, tokenizer,
-                           reference_ids, assistant_model)
+                           reference_ids, assistant_model, compile)
     if streamer is not None:
         if len(decodings) > 1:
             raise ValueError("streaming speculative decoding needs a batch of one prompt")
@@ -184,7 +192,7 @@ def _merge_rows(decodings, input_ids, return_dict):
 def stream(model, input_ids: torch.Tensor | None = None, *, generation_config: GenerationConfig | None = None,
            inputs_embeds: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
            past_key_values=None, tokenizer=None, reference_ids=None, assistant_model=None,
-           **overrides) -> Iterator[torch.Tensor]:
+           compile: bool = False, **overrides) -> Iterator[torch.Tensor]:
     """Yield new tokens as they are decoded: (batch, n) int64 per step (n > 1 when drafts are accepted).
 
     Takes ``generate``'s arguments but ``streamer`` (``return_dict_in_generate`` has no effect).
@@ -196,7 +204,7 @@ def stream(model, input_ids: torch.Tensor | None = None, *, generation_config: G
     """
     options = _options(model, generation_config, overrides)
     decodings = _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values, options, tokenizer,
-                           reference_ids, assistant_model)
+                           reference_ids, assistant_model, compile)
     if len(decodings) > 1:
         raise ValueError("streaming speculative decoding needs a batch of one prompt")
     yield from decodings[0]

@@ -48,6 +48,7 @@ def attention_heads(
     key_padding_mask: torch.Tensor | None = None,
     query_padding_mask: torch.Tensor | None = None,
     is_causal: bool = True,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     training: bool = False,
     impl: str = "torch",
@@ -63,6 +64,10 @@ def attention_heads(
         key_padding_mask: (batch, seq_k) bool, True for real keys.
         query_padding_mask: (batch, seq_q) bool, True for real queries; other rows come out as 0.
         is_causal: mask keys after each query, aligned to the end of the keys.
+        attn_mask: instead of ``is_causal`` and ``key_padding_mask``, an explicit bool mask of the
+            keys each query may attend to, broadcastable to (batch, 1, seq_q, seq_k): a static
+            cache's mask over its whole buffer (causal by buffer position and key padding), as
+            gpt-fast's ``mask`` argument.
         impl: ``"torch"`` (explicit matmul + fp32 softmax) or ``"sdpa"``
             (``torch.nn.functional.scaled_dot_product_attention``).
 
@@ -71,21 +76,27 @@ def attention_heads(
         attend to (e.g. a left-padding position) gives zeros, never NaN.
 
     Raises:
-        ValueError: on an unknown ``impl`` or head counts that do not divide.
+        ValueError: on an unknown ``impl``, head counts that do not divide, or both ``attn_mask``
+            and ``key_padding_mask``.
     """
     batch, n_heads, seq_q, head_dim = query.shape
     kv_heads, seq_k = key.shape[1], key.shape[2]
     if n_heads % kv_heads:
         raise ValueError(f"n_heads ({n_heads}) must be a multiple of the key heads ({kv_heads})")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    allowed = _allowed_mask(
-        seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
-    )
+    if attn_mask is not None:
+        if key_padding_mask is not None:
+            raise ValueError("pass key_padding_mask or attn_mask, not both: attn_mask already holds the key padding")
+        allowed = attn_mask
+    else:
+        allowed = _allowed_mask(
+            seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
+        )
     p = dropout_p if training else 0.0
 
     if impl == "sdpa":
         mask = None
-        causal_fast = is_causal and seq_q == seq_k and seq_q > 1 and attn_bias is None and key_padding_mask is None
+        causal_fast = attn_mask is None and is_causal and seq_q == seq_k and seq_q > 1 and attn_bias is None and key_padding_mask is None
         if not causal_fast and (allowed is not None or attn_bias is not None):
             # A float mask with a finite floor keeps fully masked rows free of NaN; half the
             # dtype's minimum leaves room for the scores so that fp16 does not overflow to -inf.
@@ -133,7 +144,7 @@ def attention_heads(
     else:
         raise ValueError(f"impl must be 'torch' or 'sdpa', got {impl!r}")
 
-    if key_padding_mask is not None:
+    if key_padding_mask is not None or attn_mask is not None:
         # Rows that attend to nothing (all their keys padding) are zeroed, not averaged.
         out = out * allowed.any(dim=-1, keepdim=True).to(out.dtype)
     if query_padding_mask is not None:
@@ -214,12 +225,17 @@ class MultiheadAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         query_padding_mask: torch.Tensor | None = None,
         rotary=None,
+        cache_position: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (batch, seq, d_model) -> (batch, seq, d_model).
 
         ``past_key_values`` (a cache from :mod:`llm.cache`) receives this layer's new keys and
         values and returns all keys and values so far. ``rotary`` is a callable applied to the
         query and key heads (rotary position embedding) before they are cached.
+        ``cache_position`` ((seq,) int64) writes the new keys at those buffer positions of a
+        static cache, which returns its whole buffer; ``attn_mask`` then says which of its keys
+        each query sees (see :func:`attention_heads`).
         """
         batch, seq, _ = x.shape
         qkv = self.Wqkv(x).view(batch, seq, self.n_heads + 2 * self.kv_n_heads, self.head_dim).transpose(1, 2)
@@ -229,10 +245,10 @@ class MultiheadAttention(nn.Module):
         else:
             q, k, v = qkv.split([self.n_heads, self.kv_n_heads, self.kv_n_heads], dim=1)
         if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+            k, v = past_key_values.update(k, v, self.layer_idx, cache_position)
         out = attention_heads(
             q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
-            query_padding_mask=query_padding_mask, is_causal=True,
+            query_padding_mask=query_padding_mask, is_causal=True, attn_mask=attn_mask,
             dropout_p=self.attn_pdrop, training=self.training, impl=self.attn_impl,
         )
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))

@@ -20,6 +20,13 @@ MIN_BLOCK_ELEMENTS = 1 << 16
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
+@torch.compiler.assume_constant_result
+def _num_threads() -> int:
+    # torch.compile cannot trace torch.get_num_threads: a compiled graph takes the count it was
+    # traced with as a constant (the split is then of the same blocks as eagerly)
+    return torch.get_num_threads()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, faster for few rows on a multi-threaded CPU.
 
@@ -58,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rows = x.numel() // in_features
         if 0 < rows <= MAX_SPLIT_ROWS and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
             out_features = weight.shape[0]
-            most = min(torch.get_num_threads(), weight.numel() // MIN_BLOCK_ELEMENTS)
+            most = min(_num_threads(), weight.numel() // MIN_BLOCK_ELEMENTS)
             blocks = math.gcd(out_features, most) if most > 1 else 1
             # plain tensors only: a tensor subclass (a sharded DTensor, a quantized weight) may
             # not view as blocks the way its values are laid out

@@ -137,7 +137,8 @@ class Int4Linear(nn.Module):
 
     Buffers: ``weight`` the kernel's packed codes, ``scales_and_zeros``
     (in_features // group_size, out_features, 2) in the activation dtype (the kernel takes them in
-    x's dtype: x is cast to their dtype and the output back to x's), ``bias`` or None. The state
+    x's dtype: x is cast to their dtype and the output back to x's; casting the module leaves
+    them so), ``bias`` or None. The state
     dict holds the codes unpacked, uint8 (out_features, in_features), so a saved model loads on
     any CPU or GPU. ``forward``: (..., in_features) -> (..., out_features) in x's dtype.
     """
@@ -147,6 +148,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
+        self._activation_dtype = activation_dtype
         self.register_buffer("weight", int4_pack(codes))
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(activation_dtype).contiguous())
         self.register_buffer("bias", bias)
@@ -159,7 +161,7 @@ class Int4Linear(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
+        return self._activation_dtype
 
     def codes(self) -> torch.Tensor:
         """The int4 codes, uint8 (out_features, in_features) in [0, 15] (read back through the kernel)."""
@@ -196,6 +198,8 @@ class Int4Linear(nn.Module):
         super()._apply(fn, recurse)
         if codes is not None:
             self.weight = int4_pack(codes, target)
+        # a cast of the model (to float32, say) must not move the kernel off its activation dtype
+        self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
         return self
 
     def extra_repr(self) -> str:

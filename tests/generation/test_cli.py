@@ -53,6 +53,20 @@ def test_lookup_and_streaming_print_the_greedy_text(bundle, capsys, mode):
         assert "accepted" in out.err
 
 
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_compile_and_quantize_flags_print_that_modes_greedy_text(bundle, capsys, monkeypatch, quantize):
+    from llm.generation import compiled
+    from llm.quant import quantize as quantize_model
+
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")  # dynamo's graphs, run by eager kernels: fast
+    path, model, tokenizer = bundle
+    reference = quantize_model(tiny_model("alibi", vocab_size=len(tokenizer)), "int8") if quantize == "int8" else model
+    prompts = ["the cat", "a dog sat on"]
+    out = run(capsys, "--model", path, *sum([["--prompt", p] for p in prompts], []), "--temperature", 0,
+              "--max-new-tokens", 12, "--compile", "--quantize", quantize)
+    assert out.out.split("\n\n")[:2] == [greedy_text(reference, tokenizer, p, 12) for p in prompts]
+
+
 def test_system_prompt_cache_file_gives_the_uncached_output(bundle, capsys, tmp_path):
     path, model, tokenizer = bundle
     args = ["--model", path, "--system", "you are a cat. ", "--prompt", "hello", "--prompt", "the mat",
