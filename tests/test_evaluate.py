@@ -47,6 +47,22 @@ def test_checkpoint_eval_reproduces_the_training_figures(run, tiny_data):
         evaluate({**cfg, "eval_max_sequencs": 8}, load_path=str(Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt"))
 
 
+def test_quantized_eval_of_a_bundle_and_of_its_checkpoint_agree(run):
+    cfg, result = run
+    checkpoint = str(Path(cfg["save_folder"]) / "ep0-ba6-rank0.pt")
+    fp32 = evaluate(cfg, model=result["model_dir"])
+    bundle = evaluate(cfg, model=result["model_dir"], quantization="int8")
+    ckpt = evaluate(cfg, load_path=checkpoint, quantization="int8")
+    assert bundle["quantization"] == ckpt["quantization"] == "int8" and fp32["quantization"] is None
+    quantized, exact = bundle["evaluators"]["validation"], fp32["evaluators"]["validation"]
+    # the same weights quantized the same way, whichever way they were loaded
+    assert ckpt["evaluators"]["validation"]["nats_per_token"] == pytest.approx(quantized["nats_per_token"], abs=1e-6)
+    assert quantized["nats_per_token"] != exact["nats_per_token"]
+    assert quantized["nats_per_token"] == pytest.approx(exact["nats_per_token"], rel=0.02)
+    with pytest.raises(ValueError, match="--quantize gguf keeps a GGUF file's own quantization"):
+        evaluate(cfg, load_path=checkpoint, quantization="gguf")
+
+
 def test_bundle_eval_on_a_spread_subset_of_each_stream(run, tiny_data):
     cfg, result = run
     bundle = result["model_dir"]

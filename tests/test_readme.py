@@ -13,9 +13,12 @@ What would take minutes on two cores is substituted; the whole table is here:
   so ``runs/shakespeare/model`` and ``latest-rank0.pt`` exist.
 * ``scripts/train.py`` commands (also under ``composer``): ``TRAIN_OVERRIDES`` appended (2 batches).
 * ``scripts/eval.py`` commands: ``EVAL_OVERRIDES`` appended (a few short sequences).
-* ``scripts/generate.py --model smollm2-135m-instruct``: ``--max-new-tokens 8`` appended.
-* Skipped lines: ``make train`` / ``make test`` (they are what runs this), and
-  ``composer -n 2`` (two processes; ``tests/test_ddp.py`` covers data-parallel training).
+* ``scripts/generate.py --model smollm2-135m-instruct``: ``--max-new-tokens 8`` appended, and
+  ``--compile`` dropped (compiling 30 blocks takes minutes on two cores;
+  ``tests/generation/test_compiled.py`` compiles for real, and the CLI's flag is tested there too).
+* Skipped lines: ``make train`` / ``make test`` (they are what runs this),
+  ``composer -n 2`` (two processes; ``tests/test_ddp.py`` covers data-parallel training), and
+  ``make bench-peers`` (it builds llama.cpp from source and benchmarks for many minutes; never CI).
 
 Each block is one test, named by its README line (``README.md:253``).
 """
@@ -40,7 +43,7 @@ TRAIN_OVERRIDES = ("max_duration=2ba scheduler.t_warmup=1ba eval_interval=2ba sa
                    "global_train_batch_size=4 device_train_microbatch_size=4 device_eval_batch_size=4 "
                    "eval_subset_num_batches=1 progress_bar=false num_samples=0")
 EVAL_OVERRIDES = "eval_max_sequences=2 eval_seq_len=64 device_eval_batch_size=2"
-SKIP_PREFIXES = ("make train", "make test", ".venv/bin/composer -n 2", "composer -n 2")
+SKIP_PREFIXES = ("make train", "make test", "make bench-peers", ".venv/bin/composer -n 2", "composer -n 2")
 
 
 def readme_blocks() -> list[tuple[int, str, str]]:
@@ -88,7 +91,7 @@ def substitute(command: str) -> str | None:
     elif "scripts/eval.py" in code:
         code += " " + EVAL_OVERRIDES
     elif "scripts/generate.py" in code and "smollm2-135m-instruct" in code:
-        code += " --max-new-tokens 8"
+        code = code.replace(" --compile", "") + " --max-new-tokens 8"
     return code + comment
 
 

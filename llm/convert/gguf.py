@@ -201,18 +201,33 @@ def _dequantizable(qtype) -> bool:
     return qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype in traits
 
 
-def _dequantize(tensor, path) -> torch.Tensor:
+_DEQUANTIZE_ROWS = 4096
+
+
+def _dequantize(tensor, path, rows: slice | None = None) -> torch.Tensor:
+    """A GGUF tensor dequantized to float32 (only ``rows`` of a matrix, if given)."""
     from gguf.quants import dequantize
 
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    data = tensor.data
+    if rows is not None:
+        data = data[rows]
+        shape = (len(data), *shape[1:])
     try:
-        array = dequantize(tensor.data, tensor.tensor_type)
+        if data.ndim == 2 and len(shape) == 2 and data.shape[0] == shape[0]:
+            # row blocks: gguf's numpy dequantization makes float temporaries a few times the
+            # size of its input, which for a vocabulary-sized table is most of a load's peak RSS
+            array = np.empty(shape, dtype=np.float32)
+            for start in range(0, shape[0], _DEQUANTIZE_ROWS):
+                rows = data[start:start + _DEQUANTIZE_ROWS]
+                array[start:start + len(rows)] = np.asarray(dequantize(rows, tensor.tensor_type)).reshape(len(rows), -1)
+        else:
+            array = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
     except NotImplementedError as err:
         raise ValueError(
             f"GGUF file {path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
             f"which gguf cannot dequantize"
         ) from err
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
-    array = np.asarray(array, dtype=np.float32).reshape(shape)
     if not array.flags.writeable or not array.flags.c_contiguous:
         # F32 tensors are read-only views of the file mapping: copy so torch owns writable memory.
         array = np.array(array, dtype=np.float32, order="C", copy=True)
@@ -296,6 +311,22 @@ def _float(parts, path) -> torch.Tensor:
     pieces = [_dequantize(t, path) for t, _ in parts]
     pieces = [_unpermute(w, heads) if heads else w for w, (_, heads) in zip(pieces, parts)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
+    from its GGUF tensor, dequantized a block of rows at a time: its float32 copy (113 MB for
+    SmolLM2's vocabulary) would be most of a 4-bit model's peak memory."""
+    from llm.quant.modules import int8_rows
+
+    (tensor, heads), = parts  # one source, never permuted (only query and key rows are)
+    rows = int(tensor.shape[-1])
+    codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    for start in range(0, rows, _DEQUANTIZE_ROWS):
+        block = slice(start, start + _DEQUANTIZE_ROWS)
+        codes[block], scales[block] = int8_rows(_dequantize(tensor, path, block))
+    return codes, scales
 
 
 def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
@@ -426,7 +457,7 @@ def load_gguf(
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
     head = HEAD if model.lm_head is not None else EMBEDDING
-    quantize_head(model, _float(sources[head + ".weight"], reader.path).to(model.device), act)
+    quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act)
     report.quantized.append(head)
     model.quantization = report
     return model.eval()

@@ -248,18 +248,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-speculative", action="store_true", help="only the side-by-side with transformers")
     p.add_argument("--linear", action="store_true",
                    help="only the pretrained model's projections: F.linear against the thread split")
+    p.add_argument("--fast", action="store_true",
+                   help="only the fast-decoding table: our weight modes, compiled or not, against transformers and "
+                        "llama.cpp (needs llama-cpp-python: run it with `make bench-peers`)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="--fast: batch sizes")
+    p.add_argument("--bpb-blocks", type=int, default=16, help="--fast: held-out blocks scored for bits per byte")
+    p.add_argument("--bpb-block-len", type=int, default=512, help="--fast: tokens per held-out block")
+    p.add_argument("--no-extra-bufts", action="store_true",
+                   help="--fast: keep llama.cpp off its extra CPU buffer types (AMX; probed, and off if they crash)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    if args.linear:
+    if args.fast:
+        from llm.generation.bench_fast import fast_table, print_fast
+
+        args.new_tokens = 64 if args.new_tokens == p.get_default("new_tokens") else args.new_tokens
+        results = {"fast": fast_table(args)}
+        print_fast(results["fast"])
+    elif args.linear:
         results = {"linear": linear_table(MosaicGPT.from_pretrained(args.pretrained), repeats=args.repeats)}
         print(f"## Projections of {args.pretrained}, F.linear vs split over "
               f"{torch.get_num_threads()} threads\n\n{markdown(results['linear'])}\n", flush=True)
     else:
         results = _decoding_tables(args)
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0

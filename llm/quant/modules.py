@@ -20,6 +20,9 @@ from torch import nn
 from llm.kernels.quant import aligned, int4_matmul, int4_pack, int4_unpack, int8_matmul
 
 
+_ROW_BLOCK = 4096
+
+
 @dataclass
 class QuantizationReport:
     """What :func:`llm.quant.quantize` did: ``method``, ``group_size``, ``activation_dtype`` (a
@@ -44,10 +47,17 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``scale = max |w| / 127`` per row (1 for an all-zero row), so ``codes * scale`` is within
     ``scale / 2`` of ``w``.
     """
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1) / 127
-    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    codes = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    rows = weight.shape[0]
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    # in blocks of rows: the float temporaries of a whole vocabulary-sized table would be a few
+    # times its fp32 size (the peak RSS of loading a 4-bit model)
+    for start in range(0, rows, _ROW_BLOCK):
+        w = weight[start:start + _ROW_BLOCK].detach().float()
+        s = w.abs().amax(dim=1) / 127
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        codes[start:start + _ROW_BLOCK] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[start:start + _ROW_BLOCK] = s
     return codes, scales
 
 
@@ -88,6 +98,22 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", aligned(weight))
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+        self._refresh_kernel_scales()
+
+    def _refresh_kernel_scales(self) -> None:
+        # The scales as the kernel takes them, cast once rather than at every call: inside a
+        # compiled graph the per-call cast is an unrealized pointwise node that inductor's
+        # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
+        self.register_buffer("kernel_scales", self.scales.to(self.activation_dtype), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._refresh_kernel_scales()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._refresh_kernel_scales()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype) -> "Int8Linear":
@@ -97,7 +123,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.activation_dtype)
-        out = int8_matmul(flat, self.weight, self.scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = int8_matmul(flat, self.weight, self.kernel_scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 
 from llm.kernels.quant import INT4_GROUP_SIZES, int4_supported
 from llm.model import QUANTIZATION_FILE
-from llm.quant.modules import Int4Linear, Int8Embedding, Int8Linear, QuantizationReport
+from llm.quant.modules import Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, int8_rows
 
 METHODS = ("int8", "int4")
 HEAD = "lm_head"
@@ -115,14 +115,19 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
     return model
 
 
-def quantize_head(model: nn.Module, weight: torch.Tensor, activation_dtype: torch.dtype) -> str:
-    """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model); with
-    tied embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer
-    shares its storage. Returns the name of the module quantized (``lm_head`` or ``wte``)."""
+def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                  activation_dtype: torch.dtype) -> str:
+    """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model), or from
+    its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`; with tied
+    embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer shares
+    its storage. Returns the name of the module quantized (``lm_head`` or ``wte``)."""
+    codes, scales = weight if isinstance(weight, tuple) else int8_rows(weight)
+    device = model.norm_f.weight.device
+    codes, scales = codes.to(device), scales.to(device)
     if model.lm_head is not None:
-        _set(model, HEAD, Int8Linear.from_float(weight, model.lm_head.bias, activation_dtype))
+        _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype))
         return HEAD
-    embedding = Int8Embedding.from_float(weight)
+    embedding = Int8Embedding(codes, scales)
     embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
     model.wte = embedding
     model.lm_head = embedding.tied_head(activation_dtype)

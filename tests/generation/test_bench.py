@@ -38,3 +38,32 @@ def test_linear_table_times_every_projection_at_each_row_count(threads):
     assert [row["rows"] for row in table] == [1, 3]
     assert all(row["f_linear_ms"] > 0 and row["split_ms"] > 0 for row in table)
     assert all(abs(row["speedup"] - row["f_linear_ms"] / row["split_ms"]) < 1e-9 for row in table)
+
+
+def test_bits_per_byte_of_the_fast_table_is_the_evaluators_cross_entropy_per_byte():
+    import math
+
+    import torch
+
+    from llm.data import build_char_tokenizer, load_corpus
+    from llm.generation.bench_fast import bits_per_byte, eval_blocks, ours_nll
+
+    tokenizer = build_char_tokenizer(load_corpus("validation"))
+    blocks, n_bytes = eval_blocks(tokenizer, blocks=3, length=40)
+    assert [len(b) for b in blocks] == [40] * 3
+    # characters of the plays: one byte each but for the few non-ASCII ones
+    assert 3 * 39 <= n_bytes <= 3 * 39 * 2
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    nll = ours_nll(model, blocks)
+    logits = model(torch.tensor(blocks)).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(blocks)[:, 1:].reshape(-1), reduction="sum")
+    assert math.isclose(nll, float(expected), rel_tol=1e-5)
+    assert math.isclose(bits_per_byte(nll, n_bytes), nll / math.log(2) / n_bytes)
+
+
+def test_the_fast_table_without_llama_cpp_says_how_to_get_it():
+    from llm.generation.bench import main
+
+    with pytest.raises(SystemExit, match="make bench-peers"):
+        main(["--fast"])

@@ -193,3 +193,16 @@ def test_a_quantized_model_casts_and_keeps_working():
     assert after.dtype == torch.float16
     # a float16 residual stream: close to the float32 one, not equal
     torch.testing.assert_close(after.float(), before, atol=0.15 * float(before.abs().max()), rtol=0)
+
+
+def test_int8_kernel_scales_follow_loaded_and_cast_scales():
+    from llm.quant import Int8Linear
+
+    layer = Int8Linear.from_float(torch.randn(64, 32), None, torch.bfloat16)
+    x = torch.randn(3, 32)
+    other = Int8Linear.from_float(4 * torch.randn(64, 32), None, torch.bfloat16)
+    layer.load_state_dict(other.state_dict())
+    assert "kernel_scales" not in layer.state_dict()  # a cast copy, not saved
+    torch.testing.assert_close(layer(x), other(x), atol=0, rtol=0)
+    layer.to(torch.float16)  # the kernel's activations stay bfloat16, its scales with them
+    assert layer.kernel_scales.dtype == torch.bfloat16 and layer(x.half()).dtype == torch.float16
