@@ -315,8 +315,8 @@ def _float(parts, path) -> torch.Tensor:
 
 def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
     """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
-    from its GGUF tensor, dequantized a block of rows at a time: its float32 copy (113 MB for
-    SmolLM2's vocabulary) would be most of a 4-bit model's peak memory."""
+    from its GGUF tensor, dequantized a block of rows at a time: a float32 copy of a whole
+    vocabulary-sized table would be most of a 4-bit model's peak memory."""
     from llm.quant.modules import int8_rows
 
     (tensor, heads), = parts  # one source, never permuted (only query and key rows are)
@@ -432,8 +432,10 @@ def load_gguf(
     owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
     model.load_state_dict({name: _float(parts, reader.path).to(device=device, dtype=dtype or torch.float32)
                            for name, parts in sources.items() if name not in owned}, strict=False, assign=True)
+    head = HEAD if model.lm_head is not None else EMBEDDING
     if quantization in ("int8", "int4"):
-        quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path))
+        quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
+                 head=_int8_rows(sources[head + ".weight"], reader.path))
         return model.eval()
 
     act = default_activation_dtype(model.device)
@@ -456,7 +458,6 @@ def load_gguf(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
-    head = HEAD if model.lm_head is not None else EMBEDDING
     quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act)
     report.quantized.append(head)
     model.quantization = report

@@ -58,7 +58,8 @@ def _check(method: str, group_size: int) -> None:
 
 @torch.no_grad()
 def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dtype: torch.dtype | None = None,
-             *, weights: TensorSource | None = None) -> nn.Module:
+             *, weights: TensorSource | None = None,
+             head: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
     """Quantize ``model``'s weights in place (a module swap); returns the model.
 
     Args:
@@ -72,6 +73,9 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
             :func:`default_activation_dtype` of the model's device (bfloat16 on fast CPUs).
         weights: where to read float weights from, by state-dict name (e.g. a file being loaded,
             so that the float model is never held whole); default: the model's own.
+        head: the output layer (the embedding, when tied) already quantized per row, as
+            ``(codes, scales)`` of :func:`~llm.quant.modules.int8_rows` (a loader that quantizes
+            it a block of rows at a time); default: quantized here from its float weight.
 
     Returns:
         The model, with ``model.quantization`` a :class:`~llm.quant.QuantizationReport` (also
@@ -104,10 +108,11 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
             module = Int8Linear.from_float(weight(name).to(device), linear.bias, act)
         _set(model, name, module)
         report.quantized.append(name)
-    head = model.lm_head.weight if model.lm_head is not None else model.wte.weight
-    if weights is not None:
-        head = weights((HEAD if model.lm_head is not None else EMBEDDING) + ".weight")
-    report.quantized.append(quantize_head(model, head.to(device), act))
+    if head is None:
+        head = model.lm_head.weight if model.lm_head is not None else model.wte.weight
+        if weights is not None:
+            head = weights((HEAD if model.lm_head is not None else EMBEDDING) + ".weight")
+    report.quantized.append(quantize_head(model, head, act))
     if report.kept:
         log.warning("quantize(%s): %d layer(s) stay in floating point: %s", method, len(report.kept),
                     "; ".join(f"{k} ({v})" for k, v in report.kept.items()))
@@ -121,7 +126,7 @@ def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, t
     its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`; with tied
     embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer shares
     its storage. Returns the name of the module quantized (``lm_head`` or ``wte``)."""
-    codes, scales = weight if isinstance(weight, tuple) else int8_rows(weight)
+    codes, scales = weight if isinstance(weight, tuple) else int8_rows(weight.to(model.norm_f.weight.device))
     device = model.norm_f.weight.device
     codes, scales = codes.to(device), scales.to(device)
     if model.lm_head is not None:
