@@ -319,7 +319,7 @@ def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
     vocabulary-sized table would be most of a 4-bit model's peak memory."""
     from llm.quant.modules import int8_rows
 
-    (tensor, heads), = parts  # one source, never permuted (only query and key rows are)
+    (tensor, _), = parts  # one source, never permuted (only query and key rows are)
     rows = int(tensor.shape[-1])
     codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)

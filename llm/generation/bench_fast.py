@@ -118,15 +118,8 @@ def _generate(hf: bool, model, ids, n: int, compile: bool, tokenizer):
 def _in_child(args, engine: str, compile: bool, cache_dir: str) -> dict:
     argv = [sys.executable, "-m", "llm.generation.bench_fast", "--child", engine, "--pretrained", args.pretrained,
             "--threads", str(torch.get_num_threads())] + (["--compile"] if compile else [])
-    env_before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    try:
-        status, out, err, rss_kb = child_peak_rss(argv, timeout=1800)
-    finally:
-        if env_before is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = env_before
+    status, out, err, rss_kb = child_peak_rss(argv, timeout=1800,
+                                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir})
     if status != 0:
         raise RuntimeError(f"{engine} child exited with {status}: {err[-800:]}")
     return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_mb": rss_kb / 1024}

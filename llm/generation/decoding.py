@@ -238,7 +238,7 @@ class Decoding:
             self.stats["proposed_tokens"] += draft.numel()
             if isinstance(self.proposer, DraftModel):
                 self.stats["draft_forward_passes"] += draft.numel()
-        if self.padded:
+        if self.padded and self.static is None:  # the static decoder keeps its own key mask
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         if draft is None or draft.numel() == 0:
             logits = self._forward(last[:, None])[:, -1]

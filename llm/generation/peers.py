@@ -169,8 +169,10 @@ def run_alone(path: str | os.PathLike, prompt: list[int], new_tokens: int, *, n_
     return {**json.loads(out), "peak_rss_mb": rss_kb / 1024}
 
 
-def child_peak_rss(argv: list[str], timeout: float | None = None) -> tuple[int, str, str, int]:
-    """Run ``argv`` and wait for it with ``os.wait4``, which gives that child's own resource use.
+def child_peak_rss(argv: list[str], timeout: float | None = None,
+                   env: dict[str, str] | None = None) -> tuple[int, str, str, int]:
+    """Run ``argv`` (in ``env``, default this process's environment) and wait for it with
+    ``os.wait4``, which gives that child's own resource use.
 
     Returns:
         (exit status: negative for a signal, as ``subprocess``; stdout; stderr; peak resident
@@ -180,7 +182,7 @@ def child_peak_rss(argv: list[str], timeout: float | None = None) -> tuple[int, 
         subprocess.TimeoutExpired: if it runs past ``timeout`` seconds (it is killed).
     """
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
