@@ -471,7 +471,8 @@ class MosaicGPT(nn.Module):
         config = MosaicGPTConfig.load(directory / CONFIG_FILE)
         saved = _read_quantization(directory)
         if quantization == "gguf":
-            raise ValueError(f'quantization="gguf" keeps a GGUF file\'s own quantization; {directory} is a bundle')
+            raise ValueError(f'quantization="gguf" keeps a GGUF file\'s own quantization; {directory} is a bundle: '
+                             f'load a .gguf file, or quantize the bundle with "int8" or "int4"')
         if saved is not None and quantization not in (None, saved.get("method")):
             raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=None "
                              f"(requantizing {saved.get('method')} weights as {quantization} is not supported)")

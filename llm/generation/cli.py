@@ -296,5 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speculative != "none":
         rate = totals["accepted_tokens"] / max(totals["proposed_tokens"], 1)
         line += f"; drafts: {totals['accepted_tokens']}/{totals['proposed_tokens']} accepted ({rate:.0%})"
+    if args.compile:
+        line += " (compiling the first call's steps is counted in these figures)"
     print(line, file=sys.stderr)
     return 0

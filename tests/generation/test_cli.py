@@ -65,6 +65,7 @@ def test_compile_and_quantize_flags_print_that_modes_greedy_text(bundle, capsys,
     out = run(capsys, "--model", path, *sum([["--prompt", p] for p in prompts], []), "--temperature", 0,
               "--max-new-tokens", 12, "--compile", "--quantize", quantize)
     assert out.out.split("\n\n")[:2] == [greedy_text(reference, tokenizer, p, 12) for p in prompts]
+    assert "compiling the first call's steps is counted" in out.err
 
 
 def test_system_prompt_cache_file_gives_the_uncached_output(bundle, capsys, tmp_path):
