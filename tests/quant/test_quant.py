@@ -162,7 +162,8 @@ def test_quantization_errors_name_the_problem(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="holds int8 weights"):
         MosaicGPT.from_pretrained(tmp_path, quantization="int4")
-    with pytest.raises(ValueError, match="keeps a GGUF file's own quantization"):
+    with pytest.raises(ValueError, match="keeps a GGUF file's own quantization; .* is a bundle: load a .gguf file, "
+                                         "or quantize the bundle with \"int8\" or \"int4\""):
         MosaicGPT.from_pretrained(tmp_path, quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
         MosaicGPT.from_pretrained(tmp_path, quantization="q4")
