@@ -86,6 +86,48 @@ def _cache_dir() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "llm" / "inductor"))
 
 
+def compiled_step(fn, compile: bool):
+    """``fn`` (one of this module's step functions) through ``torch.compile``, or ``fn`` itself.
+
+    The wrapper checks dynamo's guards at its first call only: make a new one whenever the model,
+    the cache or a shape changes. When compiling fails it warns once per process (naming the
+    cause) and every wrapper runs ``fn`` uncompiled from then on.
+    """
+    if not compile or _failure is not None:
+        return fn
+    _cache_dir()
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
+    compiled = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    checked = False
+
+    def run(*args):
+        global _failure
+        nonlocal checked
+        if _failure is None:
+            try:
+                if not checked:
+                    out = compiled(*args)
+                    checked = True
+                    return out
+                # Later calls of one wrapper pass the same model, cache and shapes, so the graph
+                # that the first call's guards chose is the one: re-checking the hundreds
+                # of guards on the model's modules at every step is a measurable share of it.
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return compiled(*args)
+            except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as err:
+                cause = getattr(err, "inner_exception", None) or err
+                _failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+                hint = (" compile=True needs a working C++ compiler (g++, or $CXX)."
+                        if "compiler" in _failure.lower() else "")
+                warnings.warn(
+                    f"torch.compile failed ({_failure}); decoding runs the same static-cache path uncompiled, "
+                    f"which is slower.{hint}", RuntimeWarning, stacklevel=2,
+                )
+        return fn(*args)
+
+    return run
+
+
 class StaticDecoder:
     """The forwards of one generate call over a :class:`~llm.cache.StaticCache`, compiled or not.
 
@@ -118,43 +160,7 @@ class StaticDecoder:
         # real tokens over the whole buffer; a position becomes real when its token is fed
         self.key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.key_mask[:, :cached] = mask[:, :cached]
-        self.steps = {f.__name__: self._step(f, compile) for f in (prefill, decode_one_token, verify)}
-
-    @staticmethod
-    def _step(fn, compile: bool):
-        if not compile or _failure is not None:
-            return fn
-        _cache_dir()
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
-        compiled = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-        checked = False
-
-        def run(*args):
-            global _failure
-            nonlocal checked
-            if _failure is None:
-                try:
-                    if not checked:
-                        out = compiled(*args)
-                        checked = True
-                        return out
-                    # Later calls of one generate call pass the same model, cache and shapes, so the
-                    # graph that the first call's guards chose is the one: re-checking the hundreds
-                    # of guards on the model's modules at every step is a measurable share of it.
-                    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                        return compiled(*args)
-                except (torch._dynamo.exc.BackendCompilerFailed, torch._inductor.exc.InductorError) as err:
-                    cause = getattr(err, "inner_exception", None) or err
-                    _failure = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-                    hint = (" compile=True needs a working C++ compiler (g++, or $CXX)."
-                            if "compiler" in _failure.lower() else "")
-                    warnings.warn(
-                        f"torch.compile failed ({_failure}); decoding runs the same static-cache path uncompiled, "
-                        f"which is slower.{hint}", RuntimeWarning, stacklevel=2,
-                    )
-            return fn(*args)
-
-        return run
+        self.steps = {f.__name__: compiled_step(f, compile) for f in (prefill, decode_one_token, verify)}
 
     def _feed(self, start: int, real: torch.Tensor, width: int) -> torch.Tensor:
         """Mark buffer positions start .. start + width - 1 real where ``real`` ((batch, n) bool,

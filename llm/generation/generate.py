@@ -17,7 +17,7 @@ from llm.generation.config import GenerationConfig
 from llm.generation.decoding import Decoding, GenerateOutput, StopStrings, check_token_ids
 from llm.generation.sampling import Sampler
 
-__all__ = ["GenerateOutput", "generate", "stream"]
+__all__ = ["GenerateOutput", "generate", "start_decoding", "stream"]
 
 
 def _options(model, generation_config: GenerationConfig | None, overrides: dict) -> GenerationConfig:
@@ -208,3 +208,21 @@ def stream(model, input_ids: torch.Tensor | None = None, *, generation_config: G
     if len(decodings) > 1:
         raise ValueError("streaming speculative decoding needs a batch of one prompt")
     yield from decodings[0]
+
+
+def start_decoding(model, input_ids: torch.Tensor, options: GenerationConfig, *, past_key_values=None, tokenizer=None,
+                   compile: bool = False) -> Decoding:
+    """The decoding loop of one prompt as ``generate`` runs it, to step through by hand (the
+    serving engine's rows that decode speculatively): iterate it for (1, n) int64 chunks of new
+    tokens; ``new_tokens[0]`` and ``finished[0]`` say what came out and whether eos or a stop
+    string ended it.
+
+    Args:
+        input_ids: (1, T) int64, no padding; options: the validated options (reference decoding
+            with ``prompt_lookup_num_tokens``, or plain); past_key_values, tokenizer, compile: as
+            ``generate``'s.
+
+    Raises:
+        ValueError: as ``generate``.
+    """
+    return _decodings(model, input_ids, None, None, past_key_values, options, tokenizer, None, None, compile)[0]

@@ -1,0 +1,98 @@
+"""Serve a model over an OpenAI-compatible HTTP API: `python scripts/serve.py --model M`.
+
+Continuous batching (requests join and leave the running batch at every step), prefix caching,
+streaming; GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from llm.generation.cli import DTYPES, _device, _option, _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="serve.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
+    p.add_argument("--served-model-name", help="the model's id in the API (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
+                                                       "only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=_option(None, minimum=0), default=8000, help="the TCP port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch-size", type=_option(None), default=8,
+                   help="the most sequences decoding at once (default 8)")
+    p.add_argument("--max-queue", type=_option(None), default=64,
+                   help="the most sequences waiting for a slot; beyond it requests get 429 (default 64)")
+    p.add_argument("--prefix-cache-tokens", type=_option(None, minimum=0), default=4096,
+                   help="positions of computed prompts kept for reuse by later prompts that start with them "
+                        "(least recently used evicted; 0: off; default 4096)")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
+                   help="weight-only quantization (gguf: keep a .gguf file's own 4-bit blocks)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile over static caches (one compile per batch shape, cached "
+                        "on disk; needs a C++ compiler, else runs uncompiled with a warning)")
+    p.add_argument("--threads", type=_option(None), help="torch threads (default: torch's, one per core)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return p
+
+
+def loader(args):
+    """The function that loads what ``args`` asks to serve (run by the server after it starts)."""
+
+    def load():
+        import torch
+
+        from llm.convert.registry import load_generation_config, load_tokenizer
+        from llm.generation.config import GenerationConfig
+        from llm.model import MosaicGPT
+        from llm.serve.engine import Engine
+        from llm.serve.http import Served
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=DTYPES[args.dtype],
+                                          quantization=args.quantize)
+        tokenizer = load_tokenizer(args.model)
+        # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
+        defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
+        if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:
+            defaults = defaults.update(eos_token_id=tokenizer.eos_token_id)
+        engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                        prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile).start()
+        logging.getLogger("llm.serve").info("serving %s (%s parameters)", args.served_model_name or args.model,
+                                            f"{sum(p.numel() for p in model.parameters()):,}")
+        return Served(engine, tokenizer, args.served_model_name or args.model, defaults, model.config.max_seq_len)
+
+    return load
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until interrupted; returns the exit status (2 for bad flags, 1 if the model
+    fails to load)."""
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    from llm.serve.http import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failures = []
+
+    def failed(message: str) -> None:  # a server without its model serves nothing: stop it
+        failures.append(message)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    app = create_app(loader(args), on_failure=failed)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    if failures:
+        print(f"serve.py: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
