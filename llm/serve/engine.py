@@ -190,7 +190,7 @@ class Engine:
     def step(self) -> bool:
         """One iteration: drop cancelled sequences, admit waiting ones while slots are free (each
         prefilled, its first token emitted), then one token for every batch row and one step of
-        each reference-decoding row. Returns whether there was anything to do."""
+        each reference-decoding row. Returns whether there was anything to do (False: idle)."""
         self._drop_cancelled()
         admitted = self._admit()
         if len(self.batch):
@@ -198,7 +198,7 @@ class Engine:
         for sequence in list(self.solo):
             self._advance_solo(sequence)
         self.steps += 1
-        return bool(admitted or self.running)
+        return bool(admitted or self.running or self._waiting)
 
     def _drop_cancelled(self) -> None:
         with self._work:

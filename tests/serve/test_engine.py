@@ -1,0 +1,121 @@
+"""The engine on real (tiny) models: every request's tokens equal the same request run alone
+through ``generate``, in every position scheme and weight mode, greedy and seeded sampling,
+with prefix caching, stop strings, repetition penalty, reference decoding and compiled steps."""
+
+import random
+import string
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from llm import GenerationConfig
+from llm.data import build_char_tokenizer
+from llm.generation import compiled
+from llm.serve import Engine
+from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
+
+
+def alone(model, prompt, options, tokenizer=None):
+    out = model.generate(torch.tensor([prompt]), generation_config=options, tokenizer=tokenizer)
+    return out[0, len(prompt):].tolist()
+
+
+def requests(count, seed=0, vocab=61, longest=40, **extra):
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, longest))]
+        sampled = i % 2 == 1
+        options = GenerationConfig(max_new_tokens=rng.randrange(1, 25), do_sample=sampled,
+                                   temperature=0.9 if sampled else 1.0, top_k=20 if sampled else None,
+                                   seed=i, eos_token_id=7, **extra)
+        out.append((prompt, options))
+    return out
+
+
+def drive(engine, reqs, join_every=3):
+    """Submit the requests a few at a time, stepping in between: rows join a running batch."""
+    sequences = []
+    for start in range(0, len(reqs), 4):
+        sequences += engine.submit(reqs[start:start + 4])
+        for _ in range(join_every):
+            engine.step()
+    while engine.step():
+        pass
+    return sequences
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("scheme", POSITION_SCHEMES)
+def test_every_request_decodes_as_it_would_alone(scheme, quantization):
+    model = tiny_model(scheme, quantization=quantization)
+    reqs = requests(12, seed=len(scheme))
+    sequences = drive(Engine(model, max_batch_size=4), reqs)
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options), (prompt, options)
+
+
+def test_shared_prefixes_come_from_the_prefix_cache_and_change_nothing():
+    model = tiny_model("llama")
+    system = list(range(1, 30))
+    reqs = [(system + tail, GenerationConfig(max_new_tokens=6)) for tail in ([3], [4, 5], [6, 7, 8], [3, 9])]
+    engine = Engine(model, max_batch_size=2, prefix_cache_tokens=500)
+    sequences = drive(engine, reqs)
+    assert [s.cached_tokens for s in sequences] == [0, 29, 29, 30]
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options)
+
+
+def test_stop_strings_and_repetition_penalty_per_row():
+    tokenizer = build_char_tokenizer(string.ascii_lowercase + " .")
+    model = tiny_model("rope", vocab_size=len(tokenizer))
+    base = GenerationConfig(max_new_tokens=30)
+    text = tokenizer.decode(alone(model, tokenizer("the cat").input_ids, base))
+    stop = text[5:7]
+    reqs = [(tokenizer(p).input_ids, o) for p, o in (
+        ("the cat", base.update(stop_strings=stop)),
+        ("a dog", base.update(repetition_penalty=1.5)),
+        ("the cat", base),
+    )]
+    engine = Engine(model, tokenizer, max_batch_size=4)
+    sequences = drive(engine, reqs)
+    assert sequences[0].finish_reason == "stop" and len(sequences[0].tokens) < 30
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options, tokenizer)
+
+
+def test_reference_decoding_rows_run_beside_the_batch_with_greedy_tokens():
+    model = tiny_model("alibi")
+    copy = list(range(5, 25)) * 2
+    reqs = [(copy, GenerationConfig(max_new_tokens=20, prompt_lookup_num_tokens=4)),
+            (copy[:7], GenerationConfig(max_new_tokens=15)),
+            ([1, 2, 3], GenerationConfig(max_new_tokens=12, prompt_lookup_num_tokens=2))]
+    engine = Engine(model, max_batch_size=3)
+    sequences = drive(engine, reqs)
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options.update(prompt_lookup_num_tokens=None))
+    assert sequences[0].decoding.stats["proposed_tokens"] > 0  # drafts were verified
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    torch._dynamo.reset()
+    backend = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", backend)
+    yield backend
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_compiled_steps_decode_as_eager_generate_with_a_graph_per_batch_shape(counter, quantization):
+    model = tiny_model("rope", quantization=quantization)
+    reqs = requests(10, seed=3)
+    engine = Engine(model, max_batch_size=4, compile=True)
+    sequences = drive(engine, reqs)
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options)
+    # prefill: one graph (batch 1, one capacity); the step: one per slot count (1, 2, 4) at most
+    assert counter.frame_count <= 4
+    again = drive(engine, requests(10, seed=4))
+    assert counter.frame_count <= 4 and all(s.finish_reason in ("stop", "length") for s in again)

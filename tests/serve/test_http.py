@@ -1,0 +1,308 @@
+"""The HTTP API against the official ``openai`` client, on a real uvicorn server on 127.0.0.1
+serving a tiny model: answers equal ``generate`` alone, streaming is token by token, errors are
+OpenAI-shaped and leave the server up, concurrency, disconnects and back-pressure."""
+
+import json
+import string
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from starlette.testclient import TestClient
+
+from llm import GenerationConfig
+from llm.data import build_char_tokenizer
+from llm.serve import Engine
+from llm.serve.http import Served, create_app
+from tests.conftest import tiny_model
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+MAX_SEQ_LEN = 160
+
+
+class Server:
+    """A uvicorn server on a thread, serving a tiny model; ``engine`` and ``model`` for the checks."""
+
+    def __init__(self):
+        self.tokenizer = build_char_tokenizer(string.ascii_lowercase + " .,?\n<>")
+        self.tokenizer.chat_template = TEMPLATE
+        self.model = tiny_model("llama", vocab_size=len(self.tokenizer), max_seq_len=MAX_SEQ_LEN)
+        self.defaults = GenerationConfig(do_sample=True, temperature=1.0, eos_token_id=self.tokenizer.eos_token_id)
+        self.engine = Engine(self.model, self.tokenizer, max_batch_size=4, max_queue=16)
+        served = Served(self.engine.start(), self.tokenizer, "tiny", self.defaults, MAX_SEQ_LEN)
+        config = uvicorn.Config(create_app(lambda: served), host="127.0.0.1", port=0, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=30)
+        while httpx.get(self.url + "/health").status_code != 200:
+            time.sleep(0.01)
+
+    def alone(self, text, max_tokens, chat=False, **options):
+        """The completion ``generate`` gives alone: (text, finish_reason, completion tokens)."""
+        if chat:
+            text = self.tokenizer.apply_chat_template(text, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        if "temperature" in options and options["temperature"] == 0:
+            options = dict(options, do_sample=False, temperature=1.0)
+        config = self.defaults.update(max_new_tokens=max_tokens, **options)
+        new = self.model.generate(ids, generation_config=config)[0, ids.shape[1]:].tolist()
+        reason = "stop" if new[-1] == self.tokenizer.eos_token_id else "length"
+        return self.tokenizer.decode(new, skip_special_tokens=True), reason, len(new)
+
+    def gate(self, method="step"):
+        """Hold the engine before its next ``method`` call until the returned event is set."""
+        event, original = threading.Event(), getattr(self.engine, method)
+
+        def held(*args):
+            event.wait(10)
+            return original(*args)
+
+        setattr(self.engine, method, held)
+        return event
+
+    def ungate(self, method="step"):
+        delattr(self.engine, method)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list().data] == ["tiny"]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_a_completion_is_generate_alone_with_its_usage(server):
+    out = server.client.completions.create(model="tiny", prompt="the cat sat", max_tokens=20, temperature=0)
+    text, reason, new = server.alone("the cat sat", 20, temperature=0)
+    assert out.choices[0].text == text and out.choices[0].finish_reason == reason
+    assert out.usage.prompt_tokens == len("the cat sat") and out.usage.completion_tokens == new
+    assert out.usage.total_tokens == len("the cat sat") + new and out.object == "text_completion"
+
+
+def test_a_chat_completion_applies_the_chat_template(server):
+    messages = [{"role": "system", "content": "be brief."}, {"role": "user", "content": "who are you?"}]
+    out = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=25, temperature=0)
+    text, reason, new = server.alone(messages, 25, chat=True, temperature=0)
+    assert out.choices[0].message.content == text and out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == reason and out.usage.completion_tokens == new
+    # a second turn reuses the first turn's positions from the prefix cache
+    again = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - 1
+
+
+def test_seeded_sampling_gives_generates_draws_per_choice(server):
+    out = server.client.completions.create(model="tiny", prompt="a dog", max_tokens=15, temperature=0.8, top_p=0.9,
+                                           seed=5, n=2)
+    for i, choice in enumerate(out.choices):
+        text, _, _ = server.alone("a dog", 15, do_sample=True, temperature=0.8, top_p=0.9, seed=5 + i)
+        assert choice.index == i and choice.text == text
+
+
+def test_streamed_chunks_arrive_before_the_answer_is_complete(server):
+    hold = server.gate("_decode_batch")  # the engine emits the first token at prefill, then waits
+    try:
+        stream = server.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "once upon"}], max_tokens=12, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        first = next(stream)
+        assert first.choices[0].delta.role == "assistant" and first.object == "chat.completion.chunk"
+        second = next(stream)
+        # text came while the engine is held before its second token: sent as soon as decoded
+        assert second.choices[0].delta.content and second.choices[0].finish_reason is None
+        hold.set()
+        rest = list(stream)
+    finally:
+        server.ungate("_decode_batch")
+        hold.set()
+    chunks = [second] + rest
+    chat_text, chat_reason, new = server.alone([{"role": "user", "content": "once upon"}], 12, chat=True,
+                                               temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == new
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1
+
+
+def test_stop_strings_end_the_text_before_them_streamed_or_not(server):
+    text, _, _ = server.alone("the sea", 40, temperature=0)
+    stop = text[6:8]
+    expected = text[:text.find(stop)]
+    out = server.client.completions.create(model="tiny", prompt="the sea", max_tokens=40, temperature=0,
+                                           stop=[stop, "zzzz"])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    streamed = server.client.completions.create(model="tiny", prompt="the sea", max_tokens=40, temperature=0,
+                                                stop=stop, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    (b"{not json", 400, None, None),
+    (b"[1, 2]", 400, None, None),
+    ({"prompt": 5}, 400, "prompt", None),
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens", None),
+    ({"prompt": "a", "temperature": -0.5}, 400, "temperature", None),
+    ({"prompt": "a", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": "a", "n": 0}, 400, "n", None),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream", None),
+    ({"prompt": "a", "stop": [1]}, 400, "stop", None),
+    ({"prompt": "a" * 150, "max_tokens": 20}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"prompt": "a", "logprobs": 2}, 400, "logprobs", None),
+])
+def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, body, status, param, code):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code
+    assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_chat_errors_go_through_the_client_as_its_exceptions(server):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        server.client.chat.completions.create(model="tiny", messages=[], max_tokens=3)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 160"):
+        server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                              max_completion_tokens=500)
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    hold = server.gate()
+    try:
+        time.sleep(0.05)
+        fillers = server.engine.submit([([5, 6], GenerationConfig(max_new_tokens=2))] * 16)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        for sequence in fillers:
+            sequence.cancel()
+    finally:
+        server.ungate()
+        hold.set()
+    assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_sixteen_concurrent_requests_each_equal_the_request_alone(server):
+    prompts = [("the " + "abcdefghijklmnop"[i] * (1 + i % 5), 4 + 3 * i) for i in range(16)]
+
+    def ask(i):
+        prompt, n = prompts[i]
+        if i % 3 == 0:
+            messages = [{"role": "user", "content": prompt}]
+            out = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=n,
+                                                        temperature=0)
+            return out.choices[0].message.content
+        if i % 3 == 1:
+            out = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.7,
+                                                   seed=i)
+            return out.choices[0].text
+        chunks = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                  stream=True)
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    for i, answer in enumerate(answers):
+        prompt, n = prompts[i]
+        if i % 3 == 0:
+            expected = server.alone([{"role": "user", "content": prompt}], n, chat=True, temperature=0)[0]
+        elif i % 3 == 1:
+            expected = server.alone(prompt, n, do_sample=True, temperature=0.7, seed=i)[0]
+        else:
+            expected = server.alone(prompt, n, temperature=0)[0]
+        assert answer == expected, i
+
+
+def test_a_request_that_joins_mid_way_is_unaffected_and_leaves_the_first_unaffected(server):
+    long = server.client.completions.create(model="tiny", prompt="long story", max_tokens=120, temperature=0,
+                                            stream=True)
+    pieces = [next(long).choices[0].text for _ in range(3)]
+    short = server.client.completions.create(model="tiny", prompt="quick", max_tokens=10, temperature=0)
+    pieces += [c.choices[0].text for c in long]
+    assert short.choices[0].text == server.alone("quick", 10, temperature=0)[0]
+    assert "".join(pieces) == server.alone("long story", 120, temperature=0)[0]
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    prompt = next(p for p in ("tell me", "once upon", "a tale", "more", "and then")
+                  if server.alone(p, 140, temperature=0)[1] == "length")  # no eos before 140 tokens
+    submitted, submit = [], server.engine.submit
+    server.engine.submit = lambda *a, **kw: submitted.extend(submit(*a, **kw)) or submitted[-1:]
+    hold = server.gate("_decode_batch")
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": prompt, "max_tokens": 140, "temperature": 0, "stream": True}) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+    finally:
+        del server.engine.submit
+        server.ungate("_decode_batch")
+        hold.set()
+    (sequence,) = submitted
+    deadline = time.time() + 10
+    while sequence.finish_reason != "cancelled" and time.time() < deadline:
+        time.sleep(0.02)
+    assert sequence.finish_reason == "cancelled" and len(sequence.tokens) < 140
+    assert server.engine.running == 0
+
+
+def test_health_is_503_while_the_model_loads():
+    tokenizer = build_char_tokenizer("ab")
+    model = tiny_model("alibi", vocab_size=len(tokenizer))
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(10)
+        return Served(Engine(model, tokenizer).start(), tokenizer, "m", GenerationConfig(), 96)
+
+    with TestClient(create_app(load)) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "ab"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        loaded.set()
+        deadline = time.time() + 10
+        while client.get("/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.01)
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3}).status_code == 200
+
+
+def test_a_model_that_fails_to_load_is_said_by_health():
+    failures = []
+
+    def load():
+        raise FileNotFoundError("no model in /nowhere")
+
+    with TestClient(create_app(load, on_failure=failures.append)) as client:
+        deadline = time.time() + 10
+        while not failures and time.time() < deadline:
+            time.sleep(0.01)
+        health = client.get("/health")
+        assert health.status_code == 503 and "no model in /nowhere" in health.json()["error"]
+    assert failures == ["FileNotFoundError: no model in /nowhere"]
+
