@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
 
 from llm.generation.cli import DTYPES, _device, _option, _Parser
@@ -80,14 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     from llm.serve.http import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    failures = []
+    failures, server = [], None
 
     def failed(message: str) -> None:  # a server without its model serves nothing: stop it
         failures.append(message)
-        os.kill(os.getpid(), signal.SIGTERM)
+        server.should_exit = True
 
     app = create_app(loader(args), on_failure=failed)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a requested stop
+        pass
     if failures:
         print(f"serve.py: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
         return 1

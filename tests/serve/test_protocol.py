@@ -1,0 +1,78 @@
+"""Request checks and the token-to-text stream of the OpenAI protocol layer."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from llm import GenerationConfig
+from llm.convert.registry import load_tokenizer
+from llm.data import build_char_tokenizer
+from llm.serve.protocol import APIError, TextStream, parse_request
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return build_char_tokenizer("abcdefghij .")
+
+
+def parse(body, tokenizer, chat=False, max_seq_len=64):
+    return parse_request(body, chat=chat, tokenizer=tokenizer, defaults=GenerationConfig(do_sample=True),
+                         max_seq_len=max_seq_len, max_choices=8)
+
+
+def test_stop_strings_are_held_back_until_decided_and_never_sent(chars):
+    stream = TextStream(chars, stop=("dea", "ij"))
+    ids = chars("abc de.dea h").input_ids
+    sent = "".join(stream.add([t]) for t in ids)
+    assert sent + stream.add([], final=True) == "abc de."
+    assert stream.stopped
+
+
+def test_without_stop_strings_every_token_is_sent_at_once(chars):
+    stream = TextStream(chars)
+    assert [stream.add([t]) for t in chars("ab c").input_ids] == ["a", "b", " ", "c"]
+
+
+def test_an_incomplete_utf8_character_waits_for_its_last_byte():
+    tokenizer = load_tokenizer("smollm2-135m-instruct") if _has_smollm2() else AutoTokenizer.from_pretrained("gpt2")
+    ids = tokenizer("naïve 🙂 ok", add_special_tokens=False).input_ids
+    stream = TextStream(tokenizer)
+    pieces = [stream.add([t]) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + stream.add([], final=True) == "naïve 🙂 ok"
+
+
+def _has_smollm2() -> bool:
+    from llm.convert.registry import PRETRAINED, REPO_ROOT
+
+    return (REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]).is_file()
+
+
+def test_choices_of_several_prompts_get_their_seeds_and_defaults(chars):
+    parsed = parse({"prompt": ["ab", [2, 3, 4]], "n": 2, "seed": 10, "max_tokens": 5}, chars)
+    assert [p for p, _ in parsed.choices] == [0, 0, 1, 1]
+    assert [o.seed for _, o in parsed.choices] == [10, 11, 12, 13]
+    assert all(o.do_sample and o.max_new_tokens == 5 for _, o in parsed.choices)
+    greedy = parse({"prompt": "ab", "temperature": 0, "top_k": -1}, chars).choices[0][1]
+    assert greedy.greedy and greedy.top_k is None and greedy.max_new_tokens == 16
+
+
+def test_chat_without_max_tokens_gets_what_the_context_leaves(chars):
+    chars.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    parsed = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "abc"}]}]}, chars, chat=True)
+    assert parsed.prompts == [chars("abc").input_ids] and parsed.choices[0][1].max_new_tokens == 64 - 3
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["ab", "cd"], "n": 5}, "n"),  # 10 completions, more than max_choices=8
+    ({"prompt": "ab", "min_p": 2}, "min_p"),
+    ({"prompt": "ab", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "ab", "seed": 1.5}, "seed"),
+    ({"prompt": "ab", "stream_options": {"include_usage": "yes"}}, "include_usage"),
+    ({"prompt": "ab", "temperature": True}, "temperature"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [["a"]]}, "prompt"),
+])
+def test_out_of_range_fields_name_themselves(chars, body, param):
+    with pytest.raises(APIError) as err:
+        parse(body, chars)
+    assert err.value.status == 400 and err.value.param == param
