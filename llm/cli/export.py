@@ -1,0 +1,76 @@
+"""Export a model to transformers or to GGUF (llama.cpp): `python scripts/export.py --model M --to gguf --out F`.
+
+M: a saved model folder, a registered name, a .gguf file, or a training checkpoint (with --config,
+the run's YAML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from llm.generation.cli import _Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="export.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True,
+                   help="a saved model folder, a registered name, a .gguf file, or a Composer checkpoint (.pt) with --config")
+    p.add_argument("--config", help="the training YAML of a checkpoint (its model and tokenizer)")
+    p.add_argument("--to", required=True, choices=["transformers", "gguf"], help="the format to write")
+    p.add_argument("--out", required=True, type=Path, help="the folder (transformers) or .gguf file to write")
+    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0", "q4_1"], default="f32",
+                   help="GGUF tensor type: f32, f16, q8_0 or q4_1 (norms stay f32; with q4_1 the embedding and "
+                        "output layer are q8_0, as in llama.cpp's Q4_1 files); default f32")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return p
+
+
+def _load(args):
+    """(model, tokenizer) of --model."""
+    path = Path(args.model)
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        if not args.config:
+            raise ValueError(f"{path} is a checkpoint: give --config, the training YAML it was written with")
+        from llm.cli.common import load_yaml_config
+        from llm.train.evaluate import load_for_eval
+        from llm.train.checkpointing import check_checkpoint
+
+        cfg = load_yaml_config(args.config, [])
+        composer_model, data, _ = load_for_eval(cfg, load_path=str(path))
+        composer_model.load_state_dict(check_checkpoint(path, composer_model))
+        return composer_model.model.eval(), data.tokenizer
+    from llm.convert.registry import load_tokenizer
+    from llm.model import MosaicGPT
+
+    return MosaicGPT.from_pretrained(args.model), load_tokenizer(args.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the export; returns the exit status (0, or 2 with one line for a bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.to == "transformers" and args.gguf_type != "f32":
+        parser.error("--gguf-type is for --to gguf")
+    try:
+        if args.out.exists() and not args.overwrite:
+            raise FileExistsError(f"{args.out} exists: pass --overwrite to replace it")
+        model, tokenizer = _load(args)
+        if args.to == "transformers":
+            from llm.formats.transformers import save_transformers
+
+            arch = save_transformers(model, args.out, tokenizer, overwrite=args.overwrite)
+            print(f"{args.out}: transformers {arch} model, {model.num_parameters():,} parameters")
+        else:
+            from llm.formats.gguf_writer import save_gguf
+
+            save_gguf(model, tokenizer, args.out, args.gguf_type, overwrite=args.overwrite)
+            print(f"{args.out}: GGUF ({args.gguf_type}), {args.out.stat().st_size / 1e6:.1f} MB")
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        parser.error(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Exports proven by round trips: transformers loads our transformers folders with our logits
+(cached too), greedy tokens and token ids; our GGUF files read back by our loader and by
+transformers' give our logits, quantized ones our quantize-dequantize weights exactly, and
+SmolLM2's own Q4_1 file is reproduced bit for bit."""
+
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llm import MosaicGPT, load_tokenizer
+from llm.convert.registry import PRETRAINED, REPO_ROOT
+from llm.data import build_char_tokenizer
+from llm.data.tokenizers import train_tokenizer
+from llm.formats.gguf_writer import save_gguf
+from llm.formats.transformers import save_transformers
+from tests.conftest import tiny_model
+
+SMOLLM2 = REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]
+TEXT = "to be, or not to be, that is the question: whether tis nobler in the mind to suffer"
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return build_char_tokenizer(string.ascii_lowercase + " ,.:")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_tokenizer("bpe:320", [TEXT * 3, "the slings and arrows of outrageous fortune"])
+
+
+def assert_transformers_equal(model, directory, ids):
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = model(ids).logits
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+        past = hf(ids[:, :-3], use_cache=True).past_key_values
+        cached = hf(ids[:, -3:], past_key_values=past, use_cache=True).logits
+        torch.testing.assert_close(cached, ours[:, -3:], atol=1e-4, rtol=0)
+        theirs = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    eos = hf.generation_config.eos_token_id  # the exported generation config's, which both stop at
+    assert theirs.tolist() == model.generate(ids, max_new_tokens=12, eos_token_id=eos).tolist()
+    return hf
+
+
+@pytest.mark.parametrize("scheme, overrides, arch", [
+    ("learned", {}, "gpt2"),
+    ("learned", dict(no_bias=True, ffn_act="gelu_tanh", tie_word_embeddings=False), "gpt2"),
+    ("alibi", dict(no_bias=True), "mpt"),
+    ("llama", {}, "llama"),
+    ("rope", dict(ffn_type="glu", ffn_act="silu", norm_type="rmsnorm", no_bias=False), "llama"),
+])
+def test_transformers_loads_the_export_with_our_logits_cache_and_tokens(tmp_path, chars, scheme, overrides, arch):
+    model = tiny_model(scheme, vocab_size=len(chars), **overrides)
+    assert save_transformers(model, tmp_path / "hf", chars) == arch
+    hf = assert_transformers_equal(model, tmp_path / "hf", chars(TEXT[:40], return_tensors="pt").input_ids)
+    assert hf.config.model_type == arch
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(TEXT).input_ids == chars(TEXT).input_ids
+
+
+@pytest.mark.parametrize("scheme, overrides, option", [
+    ("rope", {}, "ffn_type='mlp'"),
+    ("alibi", {}, "no_bias=False"),
+    ("alibi", dict(no_bias=True, kv_n_heads=2), "kv_n_heads=2"),
+    ("learned", dict(norm_type="rmsnorm"), "norm_type='rmsnorm'"),
+])
+def test_what_no_transformers_architecture_expresses_is_refused_by_name(tmp_path, chars, scheme, overrides, option):
+    with pytest.raises(ValueError, match=option.replace("(", r"\(")):
+        save_transformers(tiny_model(scheme, vocab_size=len(chars), **overrides), tmp_path / "hf", chars)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_existing_output_is_kept_without_overwrite(tmp_path, chars, bpe):
+    model = tiny_model("llama", vocab_size=len(chars))
+    save_transformers(model, tmp_path / "hf", chars)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save_transformers(model, tmp_path / "hf", chars)
+    save_transformers(model, tmp_path / "hf", chars, overwrite=True)
+    (tmp_path / "m.gguf").write_text("mine")
+    with pytest.raises(FileExistsError):
+        save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "m.gguf")
+    assert (tmp_path / "m.gguf").read_text() == "mine"
+
+
+def test_an_f32_gguf_reads_back_in_ours_and_in_transformers_with_our_logits(tmp_path, bpe):
+    model = tiny_model("llama", vocab_size=len(bpe))
+    save_gguf(model, bpe, tmp_path / "m.gguf")
+    ids = bpe(TEXT, return_tensors="pt").input_ids
+    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf")
+    with torch.no_grad():
+        ours = model(ids).logits
+        torch.testing.assert_close(back(ids).logits, ours, atol=1e-4, rtol=0)
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+        torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
+    assert load_tokenizer(tmp_path / "m.gguf")(TEXT).input_ids == bpe(TEXT).input_ids
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_1", "f16"])
+def test_a_quantized_gguf_holds_our_quantize_dequantize_weights_exactly(tmp_path, bpe, gguf_type):
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    model = tiny_model("llama", vocab_size=len(bpe), tie_word_embeddings=False)
+    save_gguf(model, bpe, tmp_path / "m.gguf", gguf_type)
+    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf").state_dict()
+    for name, weight in model.state_dict().items():
+        w = weight.float().numpy()
+        if w.ndim == 1:
+            expected = w
+        elif gguf_type == "f16":
+            expected = w.astype(np.float16).astype(np.float32)
+        else:
+            qtype = T.Q8_0 if gguf_type == "q8_0" or name in ("wte.weight", "lm_head.weight") else T.Q4_1
+            expected = dequantize(quantize(w, qtype), qtype)
+        assert np.array_equal(back[name].numpy(), expected), name
+
+
+def test_gguf_refuses_what_llama_cpp_cannot_read(tmp_path, chars, bpe):
+    with pytest.raises(ValueError, match="llama architecture"):
+        save_gguf(tiny_model("learned", vocab_size=len(bpe)), bpe, tmp_path / "a.gguf")
+    with pytest.raises(ValueError, match="character-level"):
+        save_gguf(tiny_model("llama", vocab_size=len(chars)), chars, tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match="gguf_type"):
+        save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "c.gguf", "q2_k")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not SMOLLM2.is_file():
+        pytest.skip("SmolLM2 is fetched by make install")
+    return MosaicGPT.from_pretrained("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
+
+
+def test_re_exporting_smollm2_as_q4_1_reproduces_its_file_bit_for_bit(tmp_path, smollm2):
+    from gguf import GGUFReader
+
+    save_gguf(*smollm2, tmp_path / "again.gguf", "q4_1")
+    theirs = {t.name: t for t in GGUFReader(SMOLLM2).tensors}
+    ours = {t.name: t for t in GGUFReader(tmp_path / "again.gguf").tensors}
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        assert ours[name].tensor_type == t.tensor_type and bytes(ours[name].data) == bytes(t.data), name
+
+
+def test_smollm2_exported_to_transformers_gives_our_logits_and_chat_template(tmp_path, smollm2):
+    model, tokenizer = smollm2
+    save_transformers(model, tmp_path / "hf", tokenizer)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    assert_transformers_equal(model, tmp_path / "hf", ids)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs.apply_chat_template(messages, add_generation_prompt=True) == ids[0].tolist()
+
+
+def export(*argv, cwd=REPO_ROOT):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "export.py"), *map(str, argv)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, chars):
+    from llm.train.trainer import train
+    from tests.train_helpers import tiny_config
+
+    llama = {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2, "learned_pos_emb": False, "rope": True,
+             "ffn_type": "glu", "ffn_act": "silu", "norm_type": "rmsnorm", "no_bias": True}
+    cfg = tiny_config(tiny_data, tmp_path / "run", model=llama, max_duration="2ba", save_interval="2ba")
+    train(cfg)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    checkpoint = tmp_path / "run" / "ep0-ba2-rank0.pt"
+    done = export("--model", checkpoint, "--config", tmp_path / "run.yaml", "--to", "transformers",
+                  "--out", tmp_path / "from-ckpt")
+    assert done.returncode == 0, done.stderr
+    bundle = tmp_path / "run" / "model"
+    done = export("--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle")
+    assert done.returncode == 0, done.stderr
+    model = MosaicGPT.from_pretrained(bundle)
+    for out in ("from-ckpt", "from-bundle"):
+        assert_transformers_equal(model, tmp_path / out, torch.tensor([[3, 4, 5, 6, 7, 8]]))
+    again = export("--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle")
+    assert again.returncode == 2 and "exists: pass --overwrite" in again.stderr
+    bad = export("--model", checkpoint, "--to", "gguf", "--out", tmp_path / "x.gguf")
+    assert bad.returncode == 2 and "give --config" in bad.stderr.strip().splitlines()[-1]
