@@ -43,7 +43,7 @@ TRAIN_OVERRIDES = ("max_duration=2ba scheduler.t_warmup=1ba eval_interval=2ba sa
                    "global_train_batch_size=4 device_train_microbatch_size=4 device_eval_batch_size=4 "
                    "eval_subset_num_batches=1 progress_bar=false num_samples=0")
 EVAL_OVERRIDES = "eval_max_sequences=2 eval_seq_len=64 device_eval_batch_size=2"
-SKIP_PREFIXES = ("make train", "make test", "make bench-peers", ".venv/bin/composer -n 2", "composer -n 2")
+SKIP_PREFIXES = ("make train", "make test", "make bench-peers", ".venv-peers/", ".venv/bin/composer -n 2", "composer -n 2")
 
 
 def readme_blocks() -> list[tuple[int, str, str]]:

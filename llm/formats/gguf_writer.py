@@ -107,7 +107,7 @@ def _pre_tokenizer_name(spec: dict | None) -> str:
     steps = (spec or {}).get("pretokenizers") if (spec or {}).get("type") == "Sequence" else [spec]
     kinds = [s.get("type") if s else None for s in steps]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (llama-vocab.cpp); "gpt2" is refused there
     if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
         return "smollm"
     if (kinds == ["Split", "ByteLevel"] and steps[0].get("pattern", {}).get("Regex") == _LLAMA3_SPLIT

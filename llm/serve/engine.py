@@ -201,18 +201,22 @@ class Engine:
         return bool(admitted or self.running or self._waiting)
 
     def _drop_cancelled(self) -> None:
+        gone = []
         with self._work:
             for sequence in [s for s in self._waiting if s.cancelled]:
                 self._waiting.remove(sequence)
-                sequence.finish_reason = "cancelled"
+                gone.append(sequence)
         for slot, sequence in enumerate(self.batch.rows):
             if sequence is not None and sequence.cancelled:
                 self.batch.leave(slot)
-                sequence.finish_reason = "cancelled"
+                gone.append(sequence)
         for sequence in [s for s in self.solo if s.cancelled]:
             self.solo.remove(sequence)
-            sequence.finish_reason = "cancelled"
+            gone.append(sequence)
         self.batch.shrink()
+        for sequence in gone:
+            sequence.finish_reason = "cancelled"
+            self._report(sequence, [], "cancelled")
 
     def _admit(self) -> int:
         admitted = 0

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -113,16 +115,29 @@ def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | N
         return JSONResponse({"object": "list", "data": [
             {"id": served.name, "object": "model", "created": state.started, "owned_by": "llm"}]})
 
+    async def model(request: Request):
+        try:
+            served = state.ready()
+        except APIError as err:
+            return _error(err)
+        if request.path_params["name"] != served.name:
+            return _error(APIError(404, f"The model `{request.path_params['name']}` does not exist. This server "
+                                        f"serves `{served.name}`.", "model", "model_not_found"))
+        return JSONResponse({"id": served.name, "object": "model", "created": state.started, "owned_by": "llm"})
+
     async def completions(request: Request):
         return await _complete(request, state, chat=False)
 
     async def chat_completions(request: Request):
         return await _complete(request, state, chat=True)
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
+    # browsers' chat UIs call from other origins, as they do llama-server and vLLM (both allow any)
+    middleware = [Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])]
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.served = state
     return app
 
@@ -146,7 +161,8 @@ async def _complete(request: Request, state: _State, chat: bool):
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{served.name}`.",
                            "model", "model_not_found")
         parsed = parse_request(body, chat=chat, tokenizer=served.tokenizer, defaults=served.defaults,
-                               max_seq_len=served.max_seq_len, max_choices=served.engine.max_queue)
+                               max_seq_len=served.max_seq_len, max_choices=served.engine.max_queue,
+                               vocab_size=served.engine.model.config.vocab_size)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -192,6 +208,8 @@ class _Run:
         return usage(sum(len(p) for p in prompts), sum(len(s.tokens) for s in self.sequences), cached)
 
     def _finish_reason(self, i: int, reason: str) -> str:
+        if reason == "cancelled":  # only when the client is gone: nobody reads what follows
+            raise APIError(499, "the client closed the request", code="cancelled")
         if reason == "error":
             raise APIError(500, f"decoding failed: {self.sequences[i].error}", code="internal_error")
         return "stop" if self.texts[i].stopped else reason

@@ -57,9 +57,13 @@ def parse_body(raw: bytes) -> dict:
         APIError: 400 for a body that is not UTF-8 JSON, or not an object.
     """
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise bad(f"the request body is not UTF-8: {err}") from None
+    except json.JSONDecodeError as err:
         raise bad(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise bad("the request body nests JSON too deeply") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -111,7 +115,15 @@ class Parsed:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
+def _token_ids(item: list, vocab_size: int) -> list[int]:
+    bad_ids = [t for t in item if not 0 <= t < vocab_size]
+    if bad_ids:
+        raise bad(f"'prompt' holds token id {bad_ids[0]}, outside the vocabulary of {vocab_size} tokens "
+                  f"(ids 0 to {vocab_size - 1})", "prompt")
+    return list(item)
+
+
+def _prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -126,8 +138,8 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
             ids.append(tokenizer(item, add_special_tokens=False).input_ids)
             texts.append(item)
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids.append(list(item))
-            texts.append(tokenizer.decode(item))
+            ids.append(_token_ids(item, vocab_size))
+            texts.append(tokenizer.decode(ids[-1]))
         else:
             raise bad("'prompt' must be a string, an array of strings, an array of token ids or an array of "
                       f"arrays of token ids; got an item {json.dumps(item)[:80]}", "prompt")
@@ -167,8 +179,19 @@ def _chat_prompt(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
     return [tokenizer(text, add_special_tokens=False).input_ids], [text]
 
 
+#: OpenAI fields that would change the answer and that this server does not implement: refused,
+#: rather than answered as if they were not there (their neutral values pass).
+_UNSERVED = {
+    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "logit_bias": lambda v: bool(v), "best_of": lambda v: v not in (None, 1), "suffix": lambda v: bool(v),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+    "tool_choice": lambda v: v not in (None, "none", "auto"),
+    "logprobs": lambda v: v is not None and v is not False, "top_logprobs": lambda v: v is not None,
+}
+
+
 def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConfig, max_seq_len: int,
-                  max_choices: int) -> Parsed:
+                  max_choices: int, vocab_size: int | None = None) -> Parsed:
     """Check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body.
 
     Args:
@@ -176,17 +199,25 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
             request's fields.
         max_seq_len: the model's context: prompt + max_tokens may not exceed it.
         max_choices: the most sequences (prompts x n) one request may ask for.
+        vocab_size: token ids given as prompts must be below it (default: the tokenizer's size).
 
     Raises:
         APIError: 400 naming the field for a missing or mistyped field, a value out of range
             (``max_tokens`` < 1, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n`` < 1...), a
-            prompt that with its ``max_tokens`` exceeds the context, or ``logprobs``.
+            prompt that with its ``max_tokens`` exceeds the context, token ids outside the
+            vocabulary, or a field this server does not implement with a value that would matter
+            (``logprobs``, penalties, ``logit_bias``, ``best_of``, ``suffix``, ``response_format``
+            other than text, a forced ``tool_choice``).
     """
-    prompts, texts = _chat_prompt(body, tokenizer) if chat else _prompts(body, tokenizer)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported by this server", "logprobs")
-    max_tokens = _field(body, "max_completion_tokens", int, None, minimum=1) if chat else None
-    max_tokens = _field(body, "max_tokens", int, max_tokens, minimum=1)
+    for name, matters in _UNSERVED.items():
+        if matters(body.get(name)):
+            raise bad(f"'{name}' is not supported by this server (got {json.dumps(body.get(name))[:80]})", name)
+    vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+    prompts, texts = _chat_prompt(body, tokenizer) if chat else _prompts(body, tokenizer, vocab_size)
+    # max_completion_tokens is the newer name of max_tokens (which OpenAI deprecates for chat): it wins
+    max_tokens = _field(body, "max_tokens", int, None, minimum=1)
+    if chat:
+        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, minimum=1)
     n = _field(body, "n", int, 1, minimum=1)
     if n * len(prompts) > max_choices:
         raise bad(f"{len(prompts)} prompts x n={n} asks for {n * len(prompts)} completions; this server takes "
@@ -197,7 +228,7 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
     min_p = _field(body, "min_p", float, None, minimum=0.0, maximum=1.0)
     repetition_penalty = _field(body, "repetition_penalty", float, None, above=0.0)
     lookup = _field(body, "prompt_lookup_num_tokens", int, None, minimum=1)
-    seed = _field(body, "seed", int, None)
+    seed = _field(body, "seed", int, None, minimum=0, maximum=2**63 - 1)
     stream = _field(body, "stream", bool, False)
     stream_options = _field(body, "stream_options", dict, {})
     include_usage = _field(stream_options, "include_usage", bool, False)
@@ -241,7 +272,8 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
                     options = defaults.update(**overrides, max_new_tokens=wanted,
                                               seed=seed + index if seed is not None else None)
             except (ValueError, TypeError) as err:
-                raise bad(str(err)) from None
+                name = str(err).split(" ", 1)[0]
+                raise bad(str(err), name if name in body else None) from None
             choices.append((p, options))
     return Parsed(prompts, texts, choices, stop, stream, include_usage, echo)
 

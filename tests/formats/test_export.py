@@ -100,6 +100,9 @@ def test_an_f32_gguf_reads_back_in_ours_and_in_transformers_with_our_logits(tmp_
         hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
         torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=0)
     assert load_tokenizer(tmp_path / "m.gguf")(TEXT).input_ids == bpe(TEXT).input_ids
+    from gguf import GGUFReader
+
+    assert GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # llama.cpp's name
 
 
 @pytest.mark.parametrize("gguf_type", ["q8_0", "q4_1", "f16"])
@@ -143,11 +146,18 @@ def test_re_exporting_smollm2_as_q4_1_reproduces_its_file_bit_for_bit(tmp_path, 
     from gguf import GGUFReader
 
     save_gguf(*smollm2, tmp_path / "again.gguf", "q4_1")
-    theirs = {t.name: t for t in GGUFReader(SMOLLM2).tensors}
-    ours = {t.name: t for t in GGUFReader(tmp_path / "again.gguf").tensors}
+    original, again = GGUFReader(SMOLLM2), GGUFReader(tmp_path / "again.gguf")
+    theirs = {t.name: t for t in original.tensors}
+    ours = {t.name: t for t in again.tensors}
     assert set(ours) == set(theirs)
     for name, t in theirs.items():
         assert ours[name].tensor_type == t.tensor_type and bytes(ours[name].data) == bytes(t.data), name
+    # and the tokenizer and architecture metadata llama.cpp reads
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                "tokenizer.chat_template", "llama.context_length", "llama.rope.freq_base", "llama.block_count",
+                "llama.attention.head_count_kv", "general.file_type"):
+        assert again.fields[key].contents() == original.fields[key].contents(), key
 
 
 def test_smollm2_exported_to_transformers_gives_our_logits_and_chat_template(tmp_path, smollm2):

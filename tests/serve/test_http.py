@@ -172,6 +172,16 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(server):
     ({"prompt": "a" * 150, "max_tokens": 20}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ({"prompt": "a", "logprobs": 2}, 400, "logprobs", None),
+    ({"prompt": "a", "logprobs": 0}, 400, "logprobs", None),
+    ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+    ({"prompt": "a", "logit_bias": {"3": 5}}, 400, "logit_bias", None),
+    ({"prompt": "a", "best_of": 3}, 400, "best_of", None),
+    ({"prompt": "a", "seed": -5}, 400, "seed", None),
+    ({"prompt": [-1], "max_tokens": 2}, 400, "prompt", None),
+    ({"prompt": [[1, 2], [2**63]], "max_tokens": 2}, 400, "prompt", None),
+    ({"prompt": [5, 999], "max_tokens": 2}, 400, "prompt", None),
+    (b"[" * 100000 + b"]" * 100000, 400, None, None),
+    (b"\xff\xfe{}", 400, None, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -181,6 +191,24 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, body, st
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param and error["code"] == code
     assert server.client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].text is not None
+
+
+def test_neutral_values_of_unserved_fields_pass_and_max_completion_tokens_wins(server):
+    out = server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0, presence_penalty=0,
+        frequency_penalty=0, tool_choice="none", max_tokens=3, max_completion_tokens=7)
+    expected = server.alone([{"role": "user", "content": "hi"}], 7, chat=True, temperature=0)
+    assert out.choices[0].message.content == expected[0] and out.usage.completion_tokens == expected[2]
+
+
+def test_a_model_is_retrieved_by_id_and_browsers_may_call_from_other_origins(server):
+    assert server.client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("other")
+    preflight = httpx.options(server.url + "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
 
 
 def test_chat_errors_go_through_the_client_as_its_exceptions(server):
@@ -270,6 +298,21 @@ def test_a_client_that_disconnects_frees_its_row(server):
         time.sleep(0.02)
     assert sequence.finish_reason == "cancelled" and len(sequence.tokens) < 140
     assert server.engine.running == 0
+
+
+def test_a_client_that_leaves_a_request_that_does_not_stream_ends_its_handler(server):
+    hold = server.gate("_decode_batch")
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "more", "max_tokens": 140}, timeout=0.5)
+    finally:
+        server.ungate("_decode_batch")
+        hold.set()
+    tasks = server.server.server_state.tasks
+    deadline = time.time() + 10
+    while (tasks or server.engine.running) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not tasks and server.engine.running == 0  # nothing left to keep a shutdown waiting
 
 
 def test_health_is_503_while_the_model_loads():
