@@ -2,7 +2,7 @@
 
 from llm.cache import Cache, DynamicCache, StaticCache
 from llm.config import MosaicGPTConfig
-from llm.convert.registry import load_tokenizer
+from llm.formats.registry import load_tokenizer
 from llm.generation import GenerateOutput, GenerationConfig, generate, stream
 from llm.layers.attention import scaled_multihead_dot_product_attention
 from llm.model import CausalLMOutput, MosaicGPT

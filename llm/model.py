@@ -423,7 +423,7 @@ class MosaicGPT(nn.Module):
     ) -> "MosaicGPT":
         """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
         a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
-        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.convert.registry`).
+        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.formats.registry`).
         ``generation_config`` is the directory's ``generation_config.json`` if it has one, the
         registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
 
@@ -432,7 +432,7 @@ class MosaicGPT(nn.Module):
                 quantized, anything else in floating point); ``"int8"`` / ``"int4"``: quantize
                 while loading (:func:`llm.quant.quantize`), one tensor at a time, so the float
                 model is never held whole; ``"gguf"``: keep a GGUF file's own quantization
-                (:func:`llm.convert.gguf.load_gguf`: Q4_0 / Q4_1 blocks become int4 groups of 32
+                (:func:`llm.formats.gguf.load_gguf`: Q4_0 / Q4_1 blocks become int4 groups of 32
                 without requantizing).
             group_size: int4 group size for ``quantization="int4"``.
 
@@ -444,10 +444,10 @@ class MosaicGPT(nn.Module):
                 is not a valid generation config (naming it); an unknown ``quantization``, or one
                 that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; for a GGUF
                 file, also an unsupported architecture or quantization type (see
-                :func:`llm.convert.load_gguf`).
+                :func:`llm.formats.load_gguf`).
         """
-        # lazy: llm.convert imports this module
-        from llm.convert.registry import PRETRAINED, load_generation_config, resolve
+        # lazy: llm.formats imports this module
+        from llm.formats.registry import PRETRAINED, load_generation_config, resolve
         from llm.quant import METHODS, quantize, quantize_like
 
         quantization = None if quantization == "none" else quantization
@@ -455,7 +455,7 @@ class MosaicGPT(nn.Module):
             raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
         kind, directory = resolve(name_or_path)
         if kind == "gguf":
-            from llm.convert.gguf import load_gguf
+            from llm.formats.gguf import load_gguf
 
             model = load_gguf(directory, dtype=dtype, device=device, quantization=quantization, group_size=group_size)
             model.generation_config = load_generation_config(name_or_path) or GenerationConfig()

@@ -41,7 +41,7 @@ def _load(args):
         composer_model, data, _ = load_for_eval(cfg, load_path=str(path))
         composer_model.load_state_dict(check_checkpoint(path, composer_model))
         return composer_model.model.eval(), data.tokenizer
-    from llm.convert.registry import load_tokenizer
+    from llm.formats.registry import load_tokenizer
     from llm.model import MosaicGPT
 
     return MosaicGPT.from_pretrained(args.model), load_tokenizer(args.model)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             arch = save_transformers(model, args.out, tokenizer, overwrite=args.overwrite)
             print(f"{args.out}: transformers {arch} model, {model.num_parameters():,} parameters")
         else:
-            from llm.formats.gguf_writer import save_gguf
+            from llm.formats.gguf import save_gguf
 
             save_gguf(model, tokenizer, args.out, args.gguf_type, overwrite=args.overwrite)
             print(f"{args.out}: GGUF ({args.gguf_type}), {args.out.stat().st_size / 1e6:.1f} MB")

@@ -45,7 +45,7 @@ def loader(args):
     def load():
         import torch
 
-        from llm.convert.registry import load_generation_config, load_tokenizer
+        from llm.formats.registry import load_generation_config, load_tokenizer
         from llm.generation.config import GenerationConfig
         from llm.model import MosaicGPT
         from llm.serve.engine import Engine

@@ -4,7 +4,7 @@ tokenizer can be recognised as mixable), and encode batches of documents on para
 
 A spec is a ``tokenizer.json`` file, a transformers tokenizer folder, a model bundle written by
 ``MosaicGPT.save_pretrained(dir, tokenizer=...)``, a prepared dataset folder (its tokenizer), a
-registered pretrained name or a ``.gguf`` file (see :func:`llm.convert.registry.load_tokenizer`),
+registered pretrained name or a ``.gguf`` file (see :func:`llm.formats.registry.load_tokenizer`),
 or ``bpe:VOCAB_SIZE`` / ``char`` to train one (as :mod:`llm.data.tokenizer` does).
 """
 
@@ -24,8 +24,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from llm.convert.registry import PRETRAINED
-from llm.convert.registry import load_tokenizer as load_registered_tokenizer
+from llm.formats.registry import PRETRAINED
+from llm.formats.registry import load_tokenizer as load_registered_tokenizer
 from llm.data.sources import DataError
 from llm.data.tokenizer import _MIN_BPE_VOCAB, EOS_TOKEN, _wrap, build_char_tokenizer
 from llm.io import atomic_write

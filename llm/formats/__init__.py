@@ -1,3 +1,11 @@
-"""Model formats that leave the package: transformers folders (:mod:`llm.formats.transformers`)
-and GGUF files for llama.cpp (:mod:`llm.formats.gguf_writer`). The import side is
-:mod:`llm.convert`."""
+"""Model formats in and out of the package: transformers (:mod:`llm.formats.transformers`: GPT-2 and
+MPT weights in; Llama, GPT-2 and MPT folders out), GGUF for llama.cpp (:mod:`llm.formats.gguf`:
+reader and writer), and the registered pretrained names (:mod:`llm.formats.registry`)."""
+
+from llm.formats.gguf import gguf_config, gguf_tokenizer, load_gguf, read_gguf, save_gguf
+from llm.formats.registry import PRETRAINED, load_tokenizer
+from llm.formats.transformers import (from_hf_gpt2, from_hf_mpt, from_transformers, gpt2_config, mpt_config,
+                                      save_transformers)
+
+__all__ = ["PRETRAINED", "from_hf_gpt2", "from_hf_mpt", "from_transformers", "gguf_config", "gguf_tokenizer",
+           "gpt2_config", "load_gguf", "load_tokenizer", "mpt_config", "read_gguf", "save_gguf", "save_transformers"]

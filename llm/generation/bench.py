@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.cache import StaticCache
-from llm.convert.registry import load_tokenizer
+from llm.formats.registry import load_tokenizer
 from llm.data import load_corpus
 from llm.generation.generate import generate
 from llm.layers.linear import linear

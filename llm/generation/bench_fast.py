@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llm.convert.registry import load_tokenizer, resolve
+from llm.formats.registry import load_tokenizer, resolve
 from llm.data import load_corpus
 from llm.generation.bench import _timed_interleaved, hf_llama, markdown
 from llm.generation.generate import generate

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.convert.registry import load_generation_config, load_tokenizer
+from llm.formats.registry import load_generation_config, load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT

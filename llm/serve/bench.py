@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from llm.convert.registry import REPO_ROOT, registered_path
+from llm.formats.registry import REPO_ROOT, registered_path
 
 PEERS_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
 

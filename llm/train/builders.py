@@ -58,7 +58,7 @@ def run_data(cfg: Mapping[str, Any]) -> RunData:
         FileNotFoundError, ValueError: for a ``load_pretrained`` or ``tokenizer.name`` that cannot
             be loaded.
     """
-    from llm.convert.registry import load_tokenizer
+    from llm.formats.registry import load_tokenizer
     from llm.data.tokenizers import load_tokenizer_spec
 
     train = _text_sources(cfg.get("train_loader"), "train")
@@ -216,7 +216,7 @@ def load_pretrained(name_or_path: str | os.PathLike):
     Raises:
         FileNotFoundError, ValueError: see :meth:`llm.model.MosaicGPT.from_pretrained`.
     """
-    from llm.convert.registry import load_tokenizer
+    from llm.formats.registry import load_tokenizer
     from llm.model import MosaicGPT
     from llm.train.composer_model import ComposerMosaicGPT
 

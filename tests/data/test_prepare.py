@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 import llm.data.prepare as prepare_module
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.cli.prepare import main
-from llm.convert.registry import PRETRAINED, REPO_ROOT
+from llm.formats.registry import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.prepare import in_validation, load_manifest, prepare
 from llm.data.sources import DataError

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.convert.registry import PRETRAINED, REPO_ROOT
+from llm.formats.registry import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, build_char_tokenizer, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.sources import DataError
 from llm.data.tokenizers import (

@@ -15,10 +15,10 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm import MosaicGPT, load_tokenizer
-from llm.convert.registry import PRETRAINED, REPO_ROOT
+from llm.formats.registry import PRETRAINED, REPO_ROOT
 from llm.data import build_char_tokenizer
 from llm.data.tokenizers import train_tokenizer
-from llm.formats.gguf_writer import save_gguf
+from llm.formats.gguf import save_gguf
 from llm.formats.transformers import save_transformers
 from tests.conftest import tiny_model
 
@@ -176,14 +176,16 @@ def export(*argv, cwd=REPO_ROOT):
 
 
 def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, chars):
-    from llm.train.trainer import train
     from tests.train_helpers import tiny_config
 
     llama = {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2, "learned_pos_emb": False, "rope": True,
              "ffn_type": "glu", "ffn_act": "silu", "norm_type": "rmsnorm", "no_bias": True}
     cfg = tiny_config(tiny_data, tmp_path / "run", model=llama, max_duration="2ba", save_interval="2ba")
-    train(cfg)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    # a process of its own: every streaming dataset of this process would stay attached to later ones
+    trained = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "train.py"), tmp_path / "run.yaml"],
+                             capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-2000:]
     checkpoint = tmp_path / "run" / "ep0-ba2-rank0.pt"
     done = export("--model", checkpoint, "--config", tmp_path / "run.yaml", "--to", "transformers",
                   "--out", tmp_path / "from-ckpt")

@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.convert import PRETRAINED
-from llm.convert.gguf import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
+from llm.formats import PRETRAINED
+from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import int4_groups
 from tests.conftest import tiny_model

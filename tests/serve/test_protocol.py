@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llm import GenerationConfig
-from llm.convert.registry import load_tokenizer
+from llm.formats.registry import load_tokenizer
 from llm.data import build_char_tokenizer
 from llm.serve.protocol import APIError, TextStream, parse_request
 
@@ -42,7 +42,7 @@ def test_an_incomplete_utf8_character_waits_for_its_last_byte():
 
 
 def _has_smollm2() -> bool:
-    from llm.convert.registry import PRETRAINED, REPO_ROOT
+    from llm.formats.registry import PRETRAINED, REPO_ROOT
 
     return (REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]).is_file()
 

@@ -1,4 +1,4 @@
-"""Export to GGUF for llama.cpp (and Ollama, LM Studio...): the inverse of :mod:`llm.convert.gguf`.
+"""Export to GGUF for llama.cpp (and Ollama, LM Studio...): the inverse of :mod:`llm.formats.gguf.reader`.
 
 Written with the ``gguf`` package's ``GGUFWriter`` as llama.cpp's ``convert_hf_to_gguf.py`` does:
 the ``llama`` architecture's metadata, the tokenizer (``tokenizer.ggml.*``: a byte-level BPE

@@ -5,7 +5,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MptConfig, MptForCausalLM
 
 from llm import DynamicCache
-from llm.convert import from_transformers
+from llm.formats import from_transformers
 
 VOCAB = 97
 

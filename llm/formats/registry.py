@@ -86,7 +86,7 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     """
     kind, path = resolve(name_or_path)
     if kind == "gguf":
-        from llm.convert.gguf import gguf_tokenizer
+        from llm.formats.gguf import gguf_tokenizer
 
         return gguf_tokenizer(path)
     from llm.data.tokenizer import load_tokenizer as load_bundle_tokenizer

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from llm import DynamicCache, MosaicGPT
-from llm.convert import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
-from llm.convert import gguf as gguf_module
-from llm.convert.gguf import _reader_class
-from llm.convert.registry import REPO_ROOT
+from llm.formats import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
+from llm.formats.gguf import reader as gguf_module
+from llm.formats.gguf.reader import _reader_class
+from llm.formats.registry import REPO_ROOT
 
 torch.set_num_threads(1)
 
