@@ -18,6 +18,7 @@ from llm import MosaicGPT, load_tokenizer
 from llm.formats.registry import PRETRAINED, REPO_ROOT
 from llm.data import build_char_tokenizer
 from llm.data.tokenizers import train_tokenizer
+from llm.cli.export import main as export_main
 from llm.formats.gguf import save_gguf
 from llm.formats.transformers import save_transformers
 from tests.conftest import tiny_model
@@ -175,7 +176,7 @@ def export(*argv, cwd=REPO_ROOT):
                           capture_output=True, text=True, cwd=cwd, timeout=300)
 
 
-def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, chars):
+def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, capsys):
     from tests.train_helpers import tiny_config
 
     llama = {"max_seq_len": 32, "d_model": 32, "n_heads": 2, "n_layers": 2, "learned_pos_emb": False, "rope": True,
@@ -191,12 +192,14 @@ def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, chars
                   "--out", tmp_path / "from-ckpt")
     assert done.returncode == 0, done.stderr
     bundle = tmp_path / "run" / "model"
-    done = export("--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle")
-    assert done.returncode == 0, done.stderr
+    assert export_main(["--model", str(bundle), "--to", "transformers", "--out", str(tmp_path / "from-bundle")]) == 0
     model = MosaicGPT.from_pretrained(bundle)
     for out in ("from-ckpt", "from-bundle"):
         assert_transformers_equal(model, tmp_path / out, torch.tensor([[3, 4, 5, 6, 7, 8]]))
-    again = export("--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle")
-    assert again.returncode == 2 and "exists: pass --overwrite" in again.stderr
-    bad = export("--model", checkpoint, "--to", "gguf", "--out", tmp_path / "x.gguf")
-    assert bad.returncode == 2 and "give --config" in bad.stderr.strip().splitlines()[-1]
+    for argv, message in (
+            (["--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle"], "exists: pass --overwrite"),
+            (["--model", checkpoint, "--to", "gguf", "--out", tmp_path / "x.gguf"], "give --config"),
+            (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y.gguf"], "character-level")):
+        with pytest.raises(SystemExit) as exit_:
+            export_main([str(a) for a in argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
