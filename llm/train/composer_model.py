@@ -12,6 +12,7 @@ from torchmetrics import Metric
 
 from llm.config import MosaicGPTConfig
 from llm.model import MosaicGPT
+from llm.train.speed import flops_per_batch
 
 IGNORE_INDEX = -100
 
@@ -58,6 +59,8 @@ class ComposerMosaicGPT(ComposerModel):
             raise TypeError(
                 f"expected a MosaicGPTConfig or a MosaicGPT, got {type(config_or_model).__name__}"
             )
+        # bfloat16 autocast of the forward on a CPU, where Composer has none (set by the trainer)
+        self.autocast_dtype: torch.dtype | None = None
         # Plain dicts, not ModuleDicts: Composer deep-copies the metrics it uses, and metric
         # state must not end up in the model's state_dict.
         self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(ignore_index=IGNORE_INDEX)}
@@ -80,7 +83,15 @@ class ComposerMosaicGPT(ComposerModel):
             ValueError: whatever :meth:`MosaicGPT.forward` raises (e.g. seq > max_seq_len with
                 learned positions).
         """
-        return self.model(batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        ids = batch["input_ids"]
+        with torch.autocast(ids.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            return self.model(ids, attention_mask=batch.get("attention_mask")).logits
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        """Training FLOPs of ``batch`` (:func:`llm.train.speed.flops_per_batch`), for Composer's
+        ``SpeedMonitor``."""
+        return flops_per_batch(self.config, batch)
 
     def loss(self, outputs: torch.Tensor, batch: Mapping[str, Any], *args, **kwargs) -> torch.Tensor:
         """Mean next-token cross-entropy in nats over the positions whose target is not -100.

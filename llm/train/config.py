@@ -378,6 +378,10 @@ class OptimizerConfig:
     betas: tuple[float, float] = setting((0.9, 0.95), check=each(in_range(0, 1, hi_inclusive=False)))
     eps: float = setting(1.0e-8, check=positive)
     weight_decay: float = setting(1.0e-5, check=non_negative)
+    #: which parameters weight_decay applies to: ``matrices`` (every parameter of 2 or more
+    #: dimensions: the projections and the embeddings; not norms or biases), as nanoGPT's
+    #: ``configure_optimizers``; or ``all``
+    decay: Literal["matrices", "all"] = "matrices"
 
 
 @dataclass(kw_only=True)
@@ -445,6 +449,17 @@ def _fsdp_choices() -> dict[str, list[str]]:
 
 
 @dataclass(kw_only=True)
+class CompileConfig:
+    """``compile_config``: Composer's, the options of ``torch.compile`` for the training model
+    (``{}``: torch's defaults)."""
+
+    backend: str = setting("inductor", check=non_empty)
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+@dataclass(kw_only=True)
 class ParallelismConfig:
     """``parallelism_config``: Composer's, ``{fsdp: {...}}`` with the keys of
     ``composer.utils.parallelism.FSDPConfig`` (values passed through; simple types and the
@@ -493,7 +508,10 @@ class RunConfig:
       ``console_log_interval``: ba or ep. ``eval_subset_num_batches``: -1 (all) or > 0.
     * ``global_train_batch_size`` (> 0, over all ranks), ``device_train_microbatch_size`` (> 0,
       ``auto``, or null: the whole per-rank batch), ``device_eval_batch_size`` (> 0; default:
-      ``global_train_batch_size`` in training), ``precision`` (null: Composer's choice).
+      ``global_train_batch_size`` in training), ``precision`` (null: Composer's choice;
+      ``amp_bf16`` on a CPU, which Composer refuses there, autocasts the forward to bfloat16
+      around fp32 weights, optimizer state and loss), ``compile_config``
+      (:class:`CompileConfig`, null: no compiling).
     * ``seed`` (0 to 2**32 - 1), ``save_folder`` (the run folder), ``save_num_checkpoints_to_keep``
       (-1: all), ``load_path``, ``autoresume``, ``run_name`` (default: the name of save_folder).
       ``allow_config_change``: resume a run folder under settings that differ from its
@@ -512,6 +530,7 @@ class RunConfig:
     scheduler: SchedulerConfig | None = None
     algorithms: AlgorithmsConfig = field(default_factory=AlgorithmsConfig)
     parallelism_config: ParallelismConfig | None = None
+    compile_config: CompileConfig | None = None
     max_duration: str | int | None = setting(None, check=_max_duration_check)
     eval_interval: str | int = setting("1ep", check=_interval_check)
     eval_subset_num_batches: int = setting(-1, check=_eval_subset_check)

@@ -21,6 +21,7 @@ locked while a run trains, and resuming under settings other than its ``config.y
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 from composer import Trainer
 from composer.algorithms import GradientClipping
+from composer.callbacks import SpeedMonitor
 from composer.core import Evaluator
 from composer.optim import (
     ConstantWithWarmupScheduler,
@@ -65,6 +67,7 @@ from llm.train.checkpointing import (
     repair_latest_checkpoint,
 )
 from llm.train.run_folder import check_resume_config, hold_run_folder, on_rank_zero
+from llm.train.speed import flops_per_token, measure_peak_flops
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "decoupled_adamw": DecoupledAdamW, "adamw": torch.optim.AdamW,
@@ -98,6 +101,50 @@ def _build(registry: Mapping[str, Callable], cfg: Mapping[str, Any], *args: Any)
     return registry[cfg["name"]](*args, **options)
 
 
+def optimizer_groups(model: torch.nn.Module, weight_decay: float, decay: str = "matrices") -> list[dict]:
+    """The optimizer's parameter groups: with ``decay="matrices"`` (nanoGPT's
+    ``configure_optimizers``) weight decay on the parameters of 2 or more dimensions (projections
+    and embeddings) and none on norms and biases; with ``"all"``, one group decayed whole."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if decay == "all":
+        return [{"params": params, "weight_decay": weight_decay}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    options = {k: v for k, v in cfg.items() if k not in ("name", "decay")}
+    groups = optimizer_groups(model, options.pop("weight_decay"), cfg["decay"])
+    return OPTIMIZERS[cfg["name"]](groups, **options)
+
+
+def cpu_run() -> bool:
+    """Whether Composer trains on the CPU here (its device default: a GPU when there is one)."""
+    return not torch.cuda.is_available()
+
+
+def _precision(cfg: Mapping[str, Any], model) -> str | None:
+    """Composer's precision; ``amp_bf16`` on a CPU (which Composer refuses) becomes our own
+    autocast of the forward (``model.autocast_dtype``) under Composer's fp32."""
+    if cfg["precision"] == "amp_bf16" and cpu_run():
+        model.autocast_dtype = torch.bfloat16
+        return "fp32"
+    return cfg["precision"]
+
+
+@functools.lru_cache(maxsize=None)
+def _peak_flops(dtype: torch.dtype) -> float:
+    return measure_peak_flops(dtype, size=1024, seconds=0.2)
+
+
+def peak_flops(cfg: Mapping[str, Any]) -> float | None:
+    """The FLOP/s that MFU is measured against: on a CPU, the measured matmul peak of the run's
+    dtype (Composer knows only GPUs'); None on a GPU (Composer's own table)."""
+    if not cpu_run():
+        return None
+    return _peak_flops(torch.bfloat16 if cfg["precision"] == "amp_bf16" else torch.float32)
+
+
 def _prepare_run_folder(cfg: Mapping[str, Any], save_folder: Path) -> None:
     """Before the trainer (one rank): refuse a resume under another config, then repair for autoresume.
 
@@ -111,7 +158,7 @@ def _prepare_run_folder(cfg: Mapping[str, Any], save_folder: Path) -> None:
         repair_latest_checkpoint(save_folder, CHECKPOINT_FILENAME, LATEST_CHECKPOINT, fallback=cfg["load_path"])
 
 
-def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[EvalSet]]:
+def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[Trainer, list[EvalSet]]:
     """Composer's ``Trainer`` for a :func:`resolve_config` config and its :func:`run_data`, with a new seeded model.
 
     ``trainer.state.model`` is the :class:`~llm.train.composer_model.ComposerMosaicGPT` (one
@@ -120,6 +167,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
     folder whose ``config.yaml`` holds other settings is refused first (see
     :mod:`llm.train.run_folder`); checkpoints earlier runs left there count towards
     ``save_num_checkpoints_to_keep``. :func:`train` also holds the folder's lock; this does not.
+    Composer's ``SpeedMonitor`` logs tokens/s and MFU (against :func:`peak_flops`); ``callbacks``
+    are added to the trainer's.
 
     Returns:
         The trainer, and the eval sets (one per eval stream) its evaluators run on.
@@ -158,14 +207,15 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
         train_dataloader=token_counting_data_spec(train_loader),
         accumulate_train_batch_on_tokens=True,
         eval_dataloader=evaluators,
-        optimizers=_build(OPTIMIZERS, cfg["optimizer"], model.parameters()),
+        optimizers=_optimizer(cfg["optimizer"], model),
         schedulers=_build(SCHEDULERS, cfg["scheduler"]),
         algorithms=[ALGORITHMS[name](**options) for name, options in cfg["algorithms"].items()],
         max_duration=cfg["max_duration"],
         eval_interval=cfg["eval_interval"],
         eval_subset_num_batches=cfg["eval_subset_num_batches"],
         device_train_microbatch_size=cfg["device_train_microbatch_size"],
-        precision=cfg["precision"],
+        precision=_precision(cfg, model),
+        compile_config=cfg["compile_config"],
         seed=cfg["seed"],
         progress_bar=cfg["progress_bar"],
         log_to_console=cfg["log_to_console"],
@@ -178,7 +228,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData) -> tuple[Trainer, list[
         load_path=cfg["load_path"],
         autoresume=cfg["autoresume"],
         parallelism_config=cfg["parallelism_config"],
-        callbacks=[CurvePlotter(save_folder), ConfigSaver(cfg, save_folder)],
+        callbacks=[CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
+                   SpeedMonitor(window_size=10, gpu_flops_available=peak_flops(cfg)), *callbacks],
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
@@ -286,7 +337,9 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         ``heldout`` (by eval set: ``nats_per_token``, ``perplexity``, ``predicted_tokens``,
         ``tokens_per_byte``, ``bits_per_byte``), the same figures for all eval sets together as
         ``heldout_nats_per_token``, ``heldout_perplexity``, ``tokens_per_byte`` and
-        ``bits_per_byte``, ``fit_seconds``, ``wall_seconds``) plus ``samples`` (list of str),
+        ``bits_per_byte``, ``fit_seconds``, ``wall_seconds``, ``tokens_per_s`` (tokens trained in this
+        call over fit_seconds), ``mfu`` (their FLOPs over :func:`peak_flops`; None on a GPU)) plus
+        ``samples`` (list of str),
         ``model_dir`` and ``checkpoint`` (the newest checkpoint's path, or None).
 
     Under ``composer -n N`` (data parallel; each rank gets ``global_train_batch_size / N``
@@ -322,6 +375,7 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
     trainer, eval_sets = build_trainer(cfg, data)
     model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrapped from DDP
     start_batch = int(trainer.state.timestamp.batch)
+    start_tokens = int(trainer.state.timestamp.token)
     max_duration = trainer.state.max_duration
     # Composer refuses to fit a run that has reached max_duration (e.g. `make train` again after it
     # finished, with autoresume): evaluate and export it as it is.
@@ -357,6 +411,11 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
         "fit_seconds": fit_seconds,
         "wall_seconds": time.perf_counter() - started,
     }
+    trained = metrics["tokens"] - start_tokens
+    metrics["tokens_per_s"] = trained / fit_seconds if fit_seconds > 0 and trained > 0 else 0.0
+    peak = peak_flops(cfg)
+    metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
+                      if peak else None)
     model_dir = save_folder / MODEL_DIR
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
     result = {**metrics, "samples": [], "model_dir": str(model_dir),
@@ -372,7 +431,8 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
               f"{r['tokens_per_byte']:.4f} tokens/byte, {r['bits_per_byte']:.4f} bits/byte")
     print(
         f"held-out{' (all eval sets)' if len(heldout) > 1 else ''}: {overall['bits_per_byte']:.4f} bits/byte after "
-        f"{metrics['batches']} batches ({fit_seconds:.0f} s training, {metrics['wall_seconds']:.0f} s in all)"
+        f"{metrics['batches']} batches ({fit_seconds:.0f} s training, {metrics['wall_seconds']:.0f} s in all; "
+        f"{metrics['tokens_per_s']:,.0f} tokens/s" + (f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] else "") + ")"
     )
     print(f"model and tokenizer: {model_dir}; metrics: {save_folder / METRICS_FILE}")
     result["samples"] = generate_samples(

@@ -1,0 +1,73 @@
+"""Training at the hardware's speed: bf16 autocast on the CPU (trains, resumes exactly), Composer's
+compile option, weight decay on matrices only, FLOPs per token and the measured peak for MFU."""
+
+import pytest
+import torch
+
+from llm import MosaicGPTConfig
+from llm.train.composer_model import ComposerMosaicGPT
+from llm.train.speed import flops_per_token, measure_peak_flops
+from llm.train.trainer import build_trainer, optimizer_groups, resolve_config, run_data, train
+from llm.utils.config import ConfigError
+from tests.train_helpers import tiny_config
+
+
+def test_flops_per_token_counts_every_matrix_six_times_plus_attention():
+    c = MosaicGPTConfig(vocab_size=100, d_model=8, n_heads=2, n_layers=3, kv_n_heads=1, ffn_type="glu",
+                        ffn_act="silu", ffn_hidden_size=20, learned_pos_emb=False, rope=True)
+    per_layer = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 20  # Wqkv (4-wide kv head), out_proj, gate/up/down
+    assert flops_per_token(c, seq_len=16) == 6 * (3 * per_layer + 100 * 8) + 12 * 3 * 8 * 16
+
+
+def test_the_measured_peak_is_a_plausible_matmul_rate():
+    peak = measure_peak_flops(torch.float32, size=256, seconds=0.05)
+    assert 1e8 < peak < 1e14
+
+
+def test_weight_decay_falls_on_matrices_only_unless_all_is_asked():
+    model = ComposerMosaicGPT(MosaicGPTConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=2, max_seq_len=8))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed, kept = optimizer_groups(model, weight_decay=0.1, decay="matrices")
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    assert {names[id(p)] for p in decayed["params"]} == {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert all(p.dim() == 1 for p in kept["params"])  # norms and biases
+    assert any("bias" in names[id(p)] for p in kept["params"]) and any("norm" in names[id(p)] for p in kept["params"])
+    (everything,) = optimizer_groups(model, weight_decay=0.1, decay="all")
+    assert len(everything["params"]) == len(list(model.parameters()))
+
+
+def test_bf16_on_the_cpu_autocasts_the_forward_and_keeps_fp32_weights(tiny_data, tmp_path):
+    cfg = resolve_config(tiny_config(tiny_data, tmp_path / "run", precision="amp_bf16", max_duration="2ba"))
+    trainer, _ = build_trainer(cfg, run_data(cfg))
+    model = trainer.state.model
+    seen = []
+    handle = model.model.blocks[0].attn.Wqkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    trainer.fit()
+    handle.remove()
+    trainer.close()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_bf16_training_resumes_exactly_where_it_stopped(tiny_data, tmp_path):
+    straight = train(tiny_config(tiny_data, tmp_path / "a", precision="amp_bf16", max_duration="4ba",
+                                 num_samples=0))
+    train(tiny_config(tiny_data, tmp_path / "b", precision="amp_bf16", max_duration="2ba", num_samples=0))
+    resumed = train(tiny_config(tiny_data, tmp_path / "b", precision="amp_bf16", max_duration="4ba",
+                                num_samples=0, autoresume=True))
+    assert resumed["start_batch"] == 2
+    assert resumed["heldout_nats_per_token"] == straight["heldout_nats_per_token"]
+
+
+def test_compile_config_compiles_the_training_step(tiny_data, tmp_path):
+    result = train(tiny_config(tiny_data, tmp_path / "run", max_duration="2ba", num_samples=0,
+                               compile_config={"backend": "eager"}))
+    assert result["batches"] == 2 and result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
+
+
+def test_bad_speed_options_are_refused_by_name(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match="compile_config.mdoe"):
+        resolve_config(tiny_config(tiny_data, tmp_path / "run", compile_config={"mdoe": "default"}))
+    with pytest.raises(ConfigError, match="optimizer.decay"):
+        resolve_config(tiny_config(tiny_data, tmp_path / "run",
+                                   optimizer={"name": "adamw", "decay": "norms"}))
