@@ -46,6 +46,7 @@ def _composer_row(cfg: dict, precision: str, compile_config: dict | None, batche
     with tempfile.TemporaryDirectory() as tmp:
         run = resolve_config({**copy.deepcopy(cfg), "precision": precision, "compile_config": compile_config,
                               "max_duration": f"{batches + warmup}ba", "eval_interval": "1000000ba",
+                              "scheduler": {**cfg["scheduler"], "t_warmup": "1ba"},
                               "save_interval": "1000000ba", "save_folder": tmp, "autoresume": False,
                               "load_path": None, "progress_bar": False, "log_to_console": False,
                               "num_samples": 0})
