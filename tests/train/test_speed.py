@@ -1,5 +1,8 @@
 """Training at the hardware's speed: bf16 autocast on the CPU (trains, resumes exactly), Composer's
-compile option, weight decay on matrices only, FLOPs per token and the measured peak for MFU."""
+compile option, weight decay on matrices only, FLOPs per token and the measured peak for MFU.
+
+Trainings run in processes of their own: streaming keeps every dataset's shared memory attached
+for the life of a process, and the suite's other trainings already hold most of its file limit."""
 
 import json
 import subprocess
@@ -12,7 +15,7 @@ import torch
 from llm import MosaicGPTConfig
 from llm.train.composer_model import ComposerMosaicGPT
 from llm.train.speed import flops_per_token, measure_peak_flops
-from llm.train.trainer import build_trainer, optimizer_groups, resolve_config, run_data, train
+from llm.train.trainer import optimizer_groups, resolve_config
 from llm.utils.config import ConfigError
 from tests.train_helpers import tiny_config
 
@@ -43,17 +46,27 @@ def test_weight_decay_falls_on_matrices_only_unless_all_is_asked():
     assert len(everything["params"]) == len(list(model.parameters()))
 
 
+AUTOCAST = """
+import json, sys
+import torch
+from llm.train.trainer import build_trainer, resolve_config, run_data
+from tests.train_helpers import tiny_config
+
+cfg = resolve_config(tiny_config(sys.argv[1], sys.argv[2], precision="amp_bf16", max_duration="2ba"))
+trainer, _ = build_trainer(cfg, run_data(cfg))
+model, seen = trainer.state.model, []
+model.model.blocks[0].attn.Wqkv.register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+trainer.fit()
+print(json.dumps([sorted(set(seen)), sorted({str(p.dtype) for p in model.parameters()})]))
+"""
+
+
 def test_bf16_on_the_cpu_autocasts_the_forward_and_keeps_fp32_weights(tiny_data, tmp_path):
-    cfg = resolve_config(tiny_config(tiny_data, tmp_path / "run", precision="amp_bf16", max_duration="2ba"))
-    trainer, _ = build_trainer(cfg, run_data(cfg))
-    model = trainer.state.model
-    seen = []
-    handle = model.model.blocks[0].attn.Wqkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    trainer.fit()
-    handle.remove()
-    trainer.close()
-    assert seen and set(seen) == {torch.bfloat16}
-    assert all(p.dtype == torch.float32 for p in model.parameters())
+    done = subprocess.run([sys.executable, "-c", AUTOCAST, str(tiny_data), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    activations, weights = json.loads(done.stdout.strip().splitlines()[-1])
+    assert activations == ["torch.bfloat16"] and weights == ["torch.float32"]
 
 
 RUNS = """
@@ -73,7 +86,6 @@ print(json.dumps([straight["heldout_nats_per_token"], resumed["heldout_nats_per_
 
 
 def test_bf16_resumes_exactly_and_compile_config_compiles_the_step(tiny_data, tmp_path):
-    # a process of its own: every streaming dataset of this one stays attached to the later ones
     done = subprocess.run([sys.executable, "-c", RUNS, str(tiny_data), str(tmp_path)], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
