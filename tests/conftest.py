@@ -4,6 +4,7 @@ import resource
 
 import pytest
 import torch
+from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.quant import quantize
@@ -16,6 +17,18 @@ torch.set_num_threads(1)
 # open for the life of the process: over a whole suite that outgrows a default limit of 1024 files.
 _soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (_hard, _hard))
+
+
+def _probe_without_atexit(name=None, create=None, size=0, auto_cleanup=True):
+    """Streaming's prefix search attaches every earlier dataset's shared memory only to read it,
+    and registers each attachment for cleanup at exit, which keeps its file open until then: the
+    attachments grow as the square of the datasets a process makes. Its own creations keep their
+    cleanup; what it merely attaches closes when the search lets go of it."""
+    return _StreamingSharedMemory(name, create, size, auto_cleanup=auto_cleanup and create is not False)
+
+
+_StreamingSharedMemory = streaming_prefix.SharedMemory
+streaming_prefix.SharedMemory = _probe_without_atexit
 
 POSITION_SCHEMES = {
     "learned": dict(learned_pos_emb=True),
