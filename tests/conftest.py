@@ -4,6 +4,7 @@ import resource
 
 import pytest
 import torch
+from streaming.base import dataset as streaming_dataset
 from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
@@ -20,7 +21,7 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (_hard, _hard))
 
 
 def _probe_without_atexit(name=None, create=None, size=0, auto_cleanup=True):
-    """Streaming's prefix search attaches every earlier dataset's shared memory only to read it,
+    """Streaming's prefix search (and resume lookup) attaches shared memory only to read it,
     and registers each attachment for cleanup at exit, which keeps its file open until then: the
     attachments grow as the square of the datasets a process makes. Its own creations keep their
     cleanup; what it merely attaches closes when the search lets go of it."""
@@ -29,6 +30,7 @@ def _probe_without_atexit(name=None, create=None, size=0, auto_cleanup=True):
 
 _StreamingSharedMemory = streaming_prefix.SharedMemory
 streaming_prefix.SharedMemory = _probe_without_atexit
+streaming_dataset.SharedMemory = _probe_without_atexit  # its resume-state lookup, at every epoch
 
 POSITION_SCHEMES = {
     "learned": dict(learned_pos_emb=True),
