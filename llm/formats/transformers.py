@@ -170,7 +170,6 @@ def _transformers_generation_config(generation_config, tokenizer):
                        eos_token_id=list(g.eos_token_id) if isinstance(g.eos_token_id, tuple) else g.eos_token_id,
                        pad_token_id=g.pad_token_id)
     if tokenizer is not None:
-        options.setdefault("eos_token_id", tokenizer.eos_token_id)
         if options.get("eos_token_id") is None:
             options["eos_token_id"] = tokenizer.eos_token_id
         if options.get("pad_token_id") is None:
