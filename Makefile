@@ -71,7 +71,7 @@ train: install
 	$(PY) scripts/train.py configs/shakespeare.yaml
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # llama.cpp as a benchmark peer (scripts/bench_generate.py --fast, scripts/bench_serve.py), in a venv of its own: never .venv, never CI.
 # llama-cpp-python compiles llama.cpp for this CPU (minutes on 2 cores). The .pth file makes .venv's packages

@@ -103,35 +103,45 @@ def _eval(*args, cwd=REPO):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_command_line(run, tmp_path):
+def test_command_line(run, tmp_path, capsys, monkeypatch):
     cfg, result = run
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps(cfg))  # JSON is YAML
     bundle_files = sorted(p.name for p in Path(result["model_dir"]).iterdir())
     out = tmp_path / "results" / "cli.json"
+    # The script itself once, as a process; the other cases call its main() (the same code path).
     proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=8", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "validation" in proc.stdout and "bits/byte" in proc.stdout and str(out) in proc.stdout
     assert json.loads(out.read_text())["evaluators"]["validation"]["sequences"] == 8
+
+    from llm.cli.eval import main
+
+    def _main(*args):
+        code = main(list(map(str, args)))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
     # Without --out, results go to the current folder, never into the model bundle.
-    proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=4", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _main(config, "--model", result["model_dir"], "eval_max_sequences=4")
+    assert code == 0, err[-3000:]
     assert json.loads((tmp_path / "eval-model.json").read_text())["evaluators"]["validation"]["sequences"] == 4
     assert sorted(p.name for p in Path(result["model_dir"]).iterdir()) == bundle_files
 
     # A write error is one line after the table, which is printed first.
     blocked = tmp_path / "file"
     blocked.write_text("")
-    proc = _eval(config, "--model", result["model_dir"], "eval_max_sequences=4", "--out", blocked / "x.json")
-    assert proc.returncode == 1 and "bits/byte" in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1].startswith("eval.py: error: cannot write the results to")
+    code, stdout, err = _main(config, "--model", result["model_dir"], "eval_max_sequences=4", "--out", blocked / "x.json")
+    assert code == 1 and "bits/byte" in stdout
+    assert err.strip().splitlines()[-1].startswith("eval.py: error: cannot write the results to")
 
     for args, match in [((), "load_path=CHECKPOINT or --model"),
                         (("--model", result["model_dir"], "eval_max_sequencs=8"), "eval_max_sequencs: unknown key"),
                         (("--model", result["model_dir"], "eval_max_sequences=0"), "eval_max_sequences"),
                         (("--model", tmp_path / "missing"), "missing")]:
-        proc = _eval(config, *args)
-        assert proc.returncode == 2 and match in proc.stderr, (args, proc.stderr[-2000:])
-        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    proc = _eval(tmp_path / "nope.yaml", "--model", result["model_dir"])
-    assert proc.returncode == 2 and "no config file" in proc.stderr
+        code, _, err = _main(config, *args)
+        assert code == 2 and match in err, (args, err[-2000:])
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    code, _, err = _main(tmp_path / "nope.yaml", "--model", result["model_dir"])
+    assert code == 2 and "no config file" in err

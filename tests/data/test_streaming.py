@@ -157,21 +157,31 @@ def test_a_job_killed_whole_is_cleaned_for_its_restart(corpora, tmp_path):
     scheduler or the OOM killer does) leaves Streaming's shared memory registering its remote-backed
     cache folder, which Streaming then refuses; clean_stale_registrations removes that registration
     and leaves a live dataset's alone."""
-    cfg = {"remote": str(corpora / "b"), "local": str(tmp_path / "cache")}
-    script = (
-        "import os\n"
-        "from llm.data.streaming import build_token_dataset, resolve_sources\n"
-        f"dataset = build_token_dataset(resolve_sources({cfg!r}, 'train'), {{}}, max_seq_len=32, device_batch_size=4, "
-        "seed=0)\n"
-        "os.killpg(0, 9)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          start_new_session=True)
-    assert proc.returncode == -9, proc.stderr[-2000:]
     live = _dataset(resolve_sources({"remote": str(corpora / "a"), "local": str(tmp_path / "other")}, "train"), {}, 32)
-    sources = resolve_sources(cfg, "train")
-    with pytest.raises(ValueError, match="Reused local directory"):
-        _dataset(sources, {}, 32)
+    # Streaming's lookup (and ours, which walks the same way) stops at the first free prefix: when
+    # another process on the machine (a parallel test worker) frees a lower one after the killed job
+    # registered, the registration is out of reach until that gap fills, and Streaming does not
+    # refuse. Then a job with a fresh cache folder is killed again, until the refusal is seen.
+    for attempt in range(5):
+        cfg = {"remote": str(corpora / "b"), "local": str(tmp_path / f"cache-{attempt}")}
+        script = (
+            "import os\n"
+            "from llm.data.streaming import build_token_dataset, resolve_sources\n"
+            f"dataset = build_token_dataset(resolve_sources({cfg!r}, 'train'), {{}}, max_seq_len=32, "
+            "device_batch_size=4, seed=0)\n"
+            "os.killpg(0, 9)\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              start_new_session=True)
+        assert proc.returncode == -9, proc.stderr[-2000:]
+        sources = resolve_sources(cfg, "train")
+        try:
+            _dataset(sources, {}, 32)
+        except ValueError as error:
+            assert "Reused local directory" in str(error)
+            break
+    else:
+        pytest.fail("Streaming never refused a killed job's cache folder")
     assert len(clean_stale_registrations(sources)) == 1
     assert clean_stale_registrations(resolve_sources({"local": str(corpora / "b")}, "train")) == []
     dataset = _dataset(sources, {}, 32)
