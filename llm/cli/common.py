@@ -1,12 +1,60 @@
-"""What the command lines share: loading a YAML config with ``key=value`` overrides, one-line errors."""
+"""What the command lines share: one-line errors, argument types, loading a YAML config with
+``key=value`` overrides."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+#: ``--dtype`` choices: names of torch dtypes (``getattr(torch, name)``).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 class CliError(ValueError):
     """A bad command-line input, printed as one line with exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, ``PROG: error: ...``, with exit status 2 and without the
+    usage block (``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
+
+
+def integer(minimum: int = 1):
+    """An argparse type: an integer >= ``minimum``; anything else is a one-line error saying so."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    return convert
+
+
+def torch_device(text: str):
+    """An argparse type: a ``torch.device`` that exists and works on this machine."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "meta":
+        raise argparse.ArgumentTypeError("'meta' holds no weights; use cpu, cuda, cuda:N or mps")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("device 'mps' is not available on this machine (it needs Apple silicon)")
+    try:
+        torch.empty(1, device=device)
+    except Exception as err:  # by backend: RuntimeError, AssertionError, NotImplementedError, ...
+        reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0]
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine ({reason})") from None
+    return device
 
 
 def load_yaml_config(path: str, overrides: list[str]) -> dict[str, Any]:

@@ -10,11 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from llm.generation.cli import _Parser
+from llm.cli.common import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="export.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="export.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
                    help="a saved model folder, a registered name, a .gguf file, or a Composer checkpoint (.pt) with --config")
     p.add_argument("--config", help="the training YAML of a checkpoint (its model and tokenizer)")

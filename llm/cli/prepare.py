@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from llm.cli.common import ArgumentParser, integer
 from llm.data.prepare import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SHARD_SIZE,
@@ -22,22 +23,6 @@ from llm.data.sources import ENCODING_ERRORS, FORMATS, SPLIT_MODES, DataError
 from llm.data.tokenizers import SPEC_FORMS
 
 PROG = "prepare_data.py"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line, without the usage block, like every other error of this command.
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -52,13 +37,13 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, folders (searched recursively) or glob patterns: .txt/.md text, .jsonl/.json "
                         "JSON Lines, .parquet, or folders saved by Hugging Face datasets' save_to_disk")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; must be new, empty or ours)")
     p.add_argument("--tokenizer", required=True, metavar="SPEC", help=f"{SPEC_FORMS}")
-    p.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
+    p.add_argument("--seq-len", type=integer(), default=DEFAULT_SEQ_LEN,
                    help="tokens per row (default %(default)s)")
     p.add_argument("--validation", nargs="+", metavar="INPUT",
                    help="inputs of the validation split (then every INPUT is train and the fraction is ignored)")
@@ -72,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text files: one document per file, per blank-line-separated paragraph, or per line")
     p.add_argument("--encoding-errors", choices=ENCODING_ERRORS, default="strict",
                    help="invalid UTF-8: stop with an error, or decode as U+FFFD and count (default %(default)s)")
-    p.add_argument("--workers", type=_positive_int, default=None, help="tokenizing processes (default: the CPUs)")
-    p.add_argument("--shard-size", type=_positive_int, default=DEFAULT_SHARD_SIZE,
+    p.add_argument("--workers", type=integer(), default=None, help="tokenizing processes (default: the CPUs)")
+    p.add_argument("--shard-size", type=integer(), default=DEFAULT_SHARD_SIZE,
                    help="bytes per shard file (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
     p.add_argument("--quiet", action="store_true", help="no progress bars or status lines")

@@ -10,31 +10,31 @@ import argparse
 import logging
 import sys
 
-from llm.generation.cli import DTYPES, _device, _option, _Parser
+from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="serve.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="serve.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--served-model-name", help="the model's id in the API (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
                                                        "only; 0.0.0.0: every interface)")
-    p.add_argument("--port", type=_option(None, minimum=0), default=8000, help="the TCP port (default 8000; 0: any free one)")
-    p.add_argument("--max-batch-size", type=_option(None), default=8,
+    p.add_argument("--port", type=integer(0), default=8000, help="the TCP port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch-size", type=integer(), default=8,
                    help="the most sequences decoding at once (default 8)")
-    p.add_argument("--max-queue", type=_option(None), default=64,
+    p.add_argument("--max-queue", type=integer(), default=64,
                    help="the most sequences waiting for a slot; beyond it requests get 429 (default 64)")
-    p.add_argument("--prefix-cache-tokens", type=_option(None, minimum=0), default=4096,
+    p.add_argument("--prefix-cache-tokens", type=integer(0), default=4096,
                    help="positions of computed prompts kept for reuse by later prompts that start with them "
                         "(least recently used evicted; 0: off; default 4096)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
                    help="weight-only quantization (gguf: keep a .gguf file's own 4-bit blocks)")
     p.add_argument("--compile", action="store_true",
                    help="decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)")
-    p.add_argument("--threads", type=_option(None), help="torch threads (default: torch's, one per core)")
+    p.add_argument("--threads", type=integer(), help="torch threads (default: torch's, one per core)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
 
@@ -53,7 +53,7 @@ def loader(args):
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=DTYPES[args.dtype],
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                           quantization=args.quantize)
         tokenizer = load_tokenizer(args.model)
         # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)

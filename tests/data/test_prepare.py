@@ -368,7 +368,7 @@ def test_cli(corpus, bpe, tmp_path, capsys):
         ([str(train_dir), "--tokenizer", "bpe:3"], "bpe needs an integer vocabulary size"),
         ([str(train_dir), "--tokenizer", "gpt-17"], "cannot load tokenizer 'gpt-17'"),
         ([str(train_dir), "--out", str(tmp_path)], "is not empty and holds no preparation"),
-        ([str(train_dir), "--seq-len", "0"], "argument --seq-len: must be a positive integer"),
+        ([str(train_dir), "--seq-len", "0"], "argument --seq-len: must be an integer >= 1, got 0"),
         ([str(train_dir), "--validation-fraction", "2"], r"must be a number in \[0, 1\)"),
     ]
     for i, (extra, message) in enumerate(cases):

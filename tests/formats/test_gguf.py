@@ -202,7 +202,7 @@ def test_chat_answer_mentions_berlin(ours, tok):
 def test_the_cli_chat_command_answers_berlin_with_its_default_sampling(capsys, seed):
     """The issue's command, sampling as the model's authors recommend (temperature 0.2, top_p 0.9);
     at temperature 0.8 without truncation 4 of 12 seeds missed."""
-    from llm.generation.cli import main
+    from llm.cli.generate import main
 
     argv = ["--model", NAME, "--chat", "--prompt", "What is the capital of Germany?", "--max-new-tokens", "16",
             "--seed", str(seed)]

@@ -1,4 +1,4 @@
-"""scripts/generate.py (llm.generation.cli): completions equal the Python API's, statistics on stderr,
+"""scripts/generate.py (llm.cli.generate): completions equal the Python API's, statistics on stderr,
 prompt caches on disk, the model's generation config under the flags, no autograd, and one-line exits
 (status 2) on every bad input."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm.data import build_char_tokenizer
-from llm.generation.cli import main
+from llm.cli.generate import main
 from tests.conftest import tiny_model
 
 
@@ -211,7 +211,7 @@ def test_missing_model_exits_2(capsys, tmp_path):
 ])
 def test_sampling_defaults_come_from_the_models_generation_config_unless_flags_say_otherwise(
         bundle, capsys, monkeypatch, tmp_path, flags, expected, warning):
-    import llm.generation.cli as cli
+    import llm.cli.generate as cli
     from llm import GenerationConfig
 
     _, model, tokenizer = bundle
@@ -228,7 +228,7 @@ def test_sampling_defaults_come_from_the_models_generation_config_unless_flags_s
 
 
 def test_without_a_generation_config_the_cli_samples_at_its_default_temperature(bundle, capsys, monkeypatch):
-    import llm.generation.cli as cli
+    import llm.cli.generate as cli
 
     path, _, _ = bundle
     seen = []

@@ -15,28 +15,20 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
+from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
 from llm.formats.registry import load_generation_config, load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TEMPERATURE = 0.8
 # flags that set a sampling option (GenerationConfig's name -> flag), for the greedy warning
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line, ``generate.py: error: ...``, with exit status 2 and
-    without the usage block (``--help`` shows it)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
-
-
-def _option(name: str | None, parse=int, minimum: int = 1):
+def _option(name: str, parse=int):
     """An argparse type: ``parse`` (int or float) the text, then check it as GenerationConfig's
-    option ``name`` (or, with ``name=None``, as an integer >= ``minimum``)."""
+    option ``name``."""
 
     def convert(text: str):
         try:
@@ -44,10 +36,6 @@ def _option(name: str | None, parse=int, minimum: int = 1):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if parse is int else 'a number'}, got {text!r}") from None
-        if name is None:
-            if value < minimum:
-                raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-            return value
         try:
             GenerationConfig(do_sample=True, **{name: value})  # do_sample: no greedy warning here
         except ValueError as err:
@@ -57,26 +45,8 @@ def _option(name: str | None, parse=int, minimum: int = 1):
     return convert
 
 
-def _device(text: str) -> torch.device:
-    """An argparse type: a torch device that exists and works on this machine."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda, cuda:N or mps") from None
-    if device.type == "meta":
-        raise argparse.ArgumentTypeError("'meta' holds no weights; use cpu, cuda, cuda:N or mps")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError("device 'mps' is not available on this machine (it needs Apple silicon)")
-    try:
-        torch.empty(1, device=device)
-    except Exception as err:  # by backend: RuntimeError, AssertionError, NotImplementedError, ...
-        reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0]
-        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine ({reason})") from None
-    return device
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="generate.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="generate.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
@@ -85,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", type=Path,
                    help="file holding the --system prefix's KV cache (made if absent; remade, saying so, if it "
                         "is unreadable or from another model, tokenizer or dtype)")
-    p.add_argument("--batch-size", type=_option(None), default=8)
+    p.add_argument("--batch-size", type=integer(), default=8)
     p.add_argument("--max-new-tokens", type=_option("max_new_tokens"), default=100)
     p.add_argument("--temperature", type=_option("temperature", float),
                    help=f"0 for greedy decoding (default: the model's generation config, i.e. its "
@@ -105,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
                    help="heuristic: adapt the draft length and draft only while it pays; constant: always "
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
                    help="weight-only quantization of the model and draft (gguf: keep a .gguf file's own 4-bit blocks)")
     p.add_argument("--compile", action="store_true",
@@ -245,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_cache is not None and not args.system:
         parser.error("--prompt-cache holds the --system prefix: give --system too")
     try:
-        dtype = DTYPES[args.dtype]
+        dtype = getattr(torch, args.dtype)
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize)
         tokenizer = load_tokenizer(args.model)
         draft = None
