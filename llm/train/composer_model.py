@@ -114,8 +114,10 @@ class ComposerMosaicGPT(ComposerModel):
         return outputs if outputs is not None else self.forward(batch)
 
     def update_metric(self, batch: Mapping[str, Any], outputs: torch.Tensor, metric: Metric) -> None:
-        """Update ``metric`` with the logits (batch, seq, vocab_size) and the shifted targets."""
-        metric.update(outputs, shift_labels(batch["labels"]))
+        """Update ``metric`` with the logits (batch, seq, vocab_size), in float32, and the shifted targets."""
+        # bf16 logits (autocast) would make the metric's log-softmax and its sum over the batch's
+        # tokens bf16 too: eval cross-entropy came out rounded to ~1e-2 nats.
+        metric.update(outputs.float(), shift_labels(batch["labels"]))
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Metric]:
         """The training metrics if ``is_train`` else the evaluation metrics, by name."""

@@ -46,6 +46,23 @@ def test_weight_decay_falls_on_matrices_only_unless_all_is_asked():
     assert len(everything["params"]) == len(list(model.parameters()))
 
 
+def test_eval_metrics_of_bf16_logits_are_summed_in_float32():
+    """Under autocast the logits are bf16; the metric's cross-entropy and its sum over the batch's
+    tokens must still be float32 (in bf16 they were rounded to ~1e-2 nats)."""
+    torch.manual_seed(0)
+    model = ComposerMosaicGPT(MosaicGPTConfig(vocab_size=300, d_model=32, n_heads=2, n_layers=1, max_seq_len=64,
+                                              init_std=0.2)).eval()
+    model.autocast_dtype = torch.bfloat16
+    batch = {"input_ids": torch.randint(0, 300, (8, 64)), "labels": torch.randint(0, 300, (8, 64))}
+    with torch.no_grad():
+        logits = model.eval_forward(batch)
+    assert logits.dtype == torch.bfloat16
+    metric = model.get_metrics(is_train=False)["LanguageCrossEntropy"]
+    model.update_metric(batch, logits, metric)
+    exact = torch.nn.functional.cross_entropy(logits[:, :-1].double().flatten(0, 1), batch["labels"][:, 1:].flatten())
+    assert abs(float(metric.compute()) - float(exact)) < 1e-5
+
+
 AUTOCAST = """
 import json, sys
 import torch
