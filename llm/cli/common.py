@@ -22,8 +22,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
 
 
-def integer(minimum: int = 1):
-    """An argparse type: an integer >= ``minimum``; anything else is a one-line error saying so."""
+def integer(minimum: int = 1, maximum: int | None = None):
+    """An argparse type: an integer in [``minimum``, ``maximum``]; anything else is a one-line error
+    saying so."""
 
     def convert(text: str) -> int:
         try:
@@ -32,6 +33,8 @@ def integer(minimum: int = 1):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be an integer <= {maximum}, got {value}")
         return value
 
     return convert

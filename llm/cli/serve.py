@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
+from pathlib import Path
 
 from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
 
@@ -19,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model's id in the API (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
                                                        "only; 0.0.0.0: every interface)")
-    p.add_argument("--port", type=integer(0), default=8000, help="the TCP port (default 8000; 0: any free one)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="the TCP port (default 8000; 0: any free one)")
     p.add_argument("--max-batch-size", type=integer(), default=8,
                    help="the most sequences decoding at once (default 8)")
     p.add_argument("--max-queue", type=integer(), default=64,
@@ -70,9 +72,22 @@ def loader(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the server until interrupted; returns the exit status (2 for bad flags, 1 if the model
-    fails to load)."""
-    args = build_parser().parse_args(argv)
+    """Run the server until interrupted; returns the exit status (2 for bad flags or a --model that
+    does not exist, 1 if it cannot listen or the model fails to load)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from llm.formats.registry import PRETRAINED
+
+    if not Path(args.model).exists() and args.model not in PRETRAINED:
+        parser.error(f"--model {args.model}: no such folder or .gguf file, and not a registered name "
+                     f"({', '.join(sorted(PRETRAINED))})")
+    # Listen before anything starts, so that a taken port or an unknown host is one line here.
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        listening = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:  # gaierror for a host that does not resolve
+        print(f"serve.py: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from llm.serve.http import create_app
@@ -86,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(loader(args), on_failure=failed)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    host, port = listening.getsockname()[:2]
+    logging.getLogger("llm.serve").info("listening on http://%s:%d (Ctrl+C to stop)",
+                                        f"[{host}]" if ":" in host else host, port)
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a requested stop
         pass
     if failures:

@@ -161,6 +161,11 @@ def _content(message: dict, i: int) -> str | None:
     raise bad(f"messages[{i}].content must be a string or an array of text parts", "messages")
 
 
+#: Chat roles served, as OpenAI names them -> the role given to the chat template (OpenAI's
+#: "developer" messages are what "system" messages were).
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 def _chat_prompt(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -169,7 +174,14 @@ def _chat_prompt(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        turns.append({"role": message["role"], "content": _content(message, i) or ""})
+        role = message["role"]
+        if role not in _ROLES:
+            served = "; tools are not served" if role in ("tool", "function") else ""
+            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}{served}", "messages")
+        content = _content(message, i)
+        if content is None:
+            raise bad(f"messages[{i}] has no 'content' (a string or an array of text parts)", "messages")
+        turns.append({"role": _ROLES[role], "content": content})
     if not getattr(tokenizer, "chat_template", None):
         raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:

@@ -3,6 +3,7 @@ a model that cannot load ends the process with one line; --help names every flag
 
 import re
 import signal
+import socket
 import string
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle):
     try:
         url = None
         for line in process.stderr:
-            m = re.search(r"Uvicorn running on (http://\S+)", line)
+            m = re.search(r"listening on (http://\S+)", line)
             if m:
                 url = m.group(1)
                 break
@@ -49,10 +50,26 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle):
 
 
 def test_a_model_that_cannot_load_ends_the_server_with_one_line(tmp_path):
-    done = subprocess.run([*SCRIPT, "--model", str(tmp_path / "missing"), "--port", "0"], capture_output=True,
+    done = subprocess.run([*SCRIPT, "--model", str(tmp_path), "--port", "0"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1].startswith(f"serve.py: error: loading {tmp_path / 'missing'} failed")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"serve.py: error: loading {tmp_path} failed")
+
+
+def test_what_cannot_start_is_one_line_before_anything_loads(bundle, tmp_path):
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    for argv, status, message in [
+        (["--model", str(tmp_path / "missing")], 2, "no such folder or .gguf file, and not a registered name"),
+        (["--model", str(bundle), "--port", "99999"], 2, "argument --port: must be an integer <= 65535, got 99999"),
+        (["--model", str(bundle), "--port", str(port)], 1, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+        (["--model", str(bundle), "--host", "no-such-host.invalid"], 1, "cannot listen on no-such-host.invalid:8000"),
+    ]:
+        done = subprocess.run([*SCRIPT, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == status, (argv, done.stderr[-2000:])
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("serve.py: error: ") and message in lines[0], (argv, lines)
+    taken.close()
 
 
 def test_help_documents_every_flag():

@@ -1,5 +1,7 @@
 """Request checks and the token-to-text stream of the OpenAI protocol layer."""
 
+import re
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -76,3 +78,23 @@ def test_out_of_range_fields_name_themselves(chars, body, param):
     with pytest.raises(APIError) as err:
         parse(body, chars)
     assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("message, match", [
+    ({"role": "wizard", "content": "hi"}, "role must be one of system, developer, user, assistant, got 'wizard'"),
+    ({"role": "tool", "content": "42", "tool_call_id": "x"}, "tools are not served"),
+    ({"role": "user"}, "messages[1] has no 'content'"),
+    ({"role": "assistant", "content": None}, "messages[1] has no 'content'"),
+])
+def test_chat_messages_need_a_served_role_and_content(chars, message, match):
+    chars.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(APIError, match=re.escape(match)) as err:
+        parse({"messages": [{"role": "user", "content": "ab"}, message]}, chars, chat=True)
+    assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_developer_messages_reach_the_template_as_system_messages(chars):
+    chars.chat_template = "{% for m in messages %}{% if m['role'] == 'system' %}.{% endif %}{{ m['content'] }}{% endfor %}"
+    parsed = parse({"messages": [{"role": "developer", "content": "a"}, {"role": "user", "content": "b"}]}, chars,
+                   chat=True)
+    assert parsed.prompts == [chars(".ab").input_ids]
