@@ -168,6 +168,10 @@ def test_bad_checkpoints_name_the_file_and_what_did_not_fit(runs, tmp_path):
     truncated.write_bytes(checkpoint.read_bytes()[:5000])
     with pytest.raises(ValueError, match=rf"cannot read checkpoint {truncated} \(5,000 bytes\).*truncated or corrupt"):
         check_checkpoint(truncated, ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg)))
+    picture = tmp_path / "curves.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    with pytest.raises(ValueError, match=rf"{picture} is not a checkpoint: torch.save files are zip archives"):
+        check_checkpoint(picture, ComposerMosaicGPT(MosaicGPTConfig.from_dict(model_cfg)))
 
     wider = ComposerMosaicGPT(MosaicGPTConfig.from_dict({**model_cfg, "d_model": 64}))
     with pytest.raises(ValueError, match=rf"checkpoint {checkpoint} does not fit the model .*"

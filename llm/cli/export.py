@@ -32,7 +32,8 @@ def _load(args):
     path = Path(args.model)
     if path.is_file() and path.suffix.lower() != ".gguf":
         if not args.config:
-            raise ValueError(f"{path} is a checkpoint: give --config, the training YAML it was written with")
+            raise ValueError(f"{path} is a file but not a .gguf one: a training checkpoint needs --config, the "
+                             "training YAML it was written with")
         from llm.cli.common import load_yaml_config
         from llm.train.evaluate import load_for_eval
         from llm.train.checkpointing import check_checkpoint
@@ -41,6 +42,8 @@ def _load(args):
         composer_model, data, _ = load_for_eval(cfg, load_path=str(path))
         composer_model.load_state_dict(check_checkpoint(path, composer_model))
         return composer_model.model.eval(), data.tokenizer
+    if args.config:
+        raise ValueError(f"--config is for a training checkpoint (a .pt file); {args.model} is not one")
     from llm.formats.registry import load_tokenizer
     from llm.model import MosaicGPT
 
@@ -48,7 +51,8 @@ def _load(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the export; returns the exit status (0, or 2 with one line for a bad input)."""
+    """Run the export; returns the exit status (0; 2 with one line for a bad input; 1 with one line
+    when the file system refuses the write)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.to == "transformers" and args.gguf_type != "f32":
@@ -67,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
             save_gguf(model, tokenizer, args.out, args.gguf_type, overwrite=args.overwrite)
             print(f"{args.out}: GGUF ({args.gguf_type}), {args.out.stat().st_size / 1e6:.1f} MB")
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as err:
         parser.error(str(err))
+    except OSError as err:  # the disk's answer: permissions, a read-only or full file system
+        print(f"export.py: error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -21,13 +21,12 @@ Anything else is refused, naming the option that does not fit: never exported ap
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from llm.config import MosaicGPTConfig
+from llm.formats.files import replace_directory
 from llm.model import MosaicGPT
 
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
@@ -177,33 +176,6 @@ def _transformers_generation_config(generation_config, tokenizer):
         if tokenizer.bos_token_id is not None:
             options["bos_token_id"] = tokenizer.bos_token_id
     return HFGenerationConfig(**{k: v for k, v in options.items() if v is not None})
-
-
-def replace_directory(target: Path, write, overwrite: bool) -> None:
-    """Run ``write(tmp)`` on a new folder beside ``target``, then move it to ``target`` (a crash
-    leaves ``target`` as it was).
-
-    Raises:
-        FileExistsError: if ``target`` exists and not ``overwrite``.
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_transformers(model, directory: str | os.PathLike, tokenizer=None, generation_config=None, *,

@@ -3,15 +3,16 @@
 Four rows, one process, the same model (a config's ``model`` section), batch, microbatches and
 data (the config's prepared training shards): a nanoGPT-style loop (torch's AdamW, fp32, no
 Composer), and :func:`~llm.train.trainer.train`'s Composer run in fp32, in bf16 autocast and in
-bf16 compiled. Each row trains ``--batches`` batches after ``--warmup`` untimed ones and reports
-tokens/s, MFU against the measured matmul peak of its dtype, and its ratio to ours in fp32.
+bf16 compiled. Each row trains ``--batches`` batches after ``--warmup`` untimed ones, in
+``--repeats`` rounds (the rows taking turns), and reports its median tokens/s, MFU against the
+measured matmul peak of its dtype, and its ratio to ours in fp32.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from composer.core import Callback
 
-from llm.cli.common import load_yaml_config
+from llm.cli.common import ArgumentParser, CliError, integer, load_yaml_config
 from llm.train.speed import flops_per_token, measure_peak_flops
 
 
@@ -92,28 +93,45 @@ def _plain_row(cfg: dict, batches: int, warmup: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_train.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="bench_train.py", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default="configs/shakespeare.yaml")
-    p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="untimed batches first (compiling happens there)")
+    p.add_argument("--batches", type=integer(1), default=20, help="timed batches per row (default 20)")
+    p.add_argument("--warmup", type=integer(0), default=3,
+                   help="untimed batches first (compiling happens there; default 3)")
+    p.add_argument("--repeats", type=integer(1), default=2,
+                   help="rounds, the rows taking turns; each row reports its median (default 2)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    cfg = load_yaml_config(args.config, [])
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {args.json}: {args.json.parent} is not an existing folder")
+    try:
+        cfg = load_yaml_config(args.config, [])
+        if not isinstance(cfg.get("model"), dict) or "max_seq_len" not in cfg["model"]:
+            raise CliError(f"{args.config} is not a training config: it has no model.max_seq_len")
+    except CliError as err:
+        p.error(str(err))
     tokens = cfg["global_train_batch_size"] * cfg["model"]["max_seq_len"]
     from llm.config import MosaicGPTConfig
 
     model_cfg = {k: v for k, v in cfg["model"].items() if k != "name"}
     flops = flops_per_token(MosaicGPTConfig(**{**model_cfg, "vocab_size": 2048}), cfg["model"]["max_seq_len"])
     peaks = {"fp32": measure_peak_flops(torch.float32, seconds=2), "bf16": measure_peak_flops(torch.bfloat16, seconds=2)}
+    runs = (("plain PyTorch loop (nanoGPT-style, torch AdamW), fp32", lambda: _plain_row(cfg, args.batches, args.warmup), "fp32"),
+            ("ours through Composer, fp32", lambda: _composer_row(cfg, "fp32", None, args.batches, args.warmup), "fp32"),
+            ("ours, bf16 autocast", lambda: _composer_row(cfg, "amp_bf16", None, args.batches, args.warmup), "bf16"),
+            ("ours, bf16 compiled", lambda: _composer_row(cfg, "amp_bf16", {}, args.batches, args.warmup), "bf16"))
+    # The rows take turns, --repeats rounds, and each reports its median: a slow spell of a shared
+    # machine falls on every row rather than on one (single rounds moved rows by 20%).
+    seconds = {name: [] for name, _, _ in runs}
+    for round_ in range(args.repeats):
+        for name, run, _ in runs:
+            print(f"{name}: measuring (round {round_ + 1} of {args.repeats})", file=sys.stderr, flush=True)
+            seconds[name].append(run())
     rows = []
-    for name, run, dtype in (("plain PyTorch loop, fp32", lambda: _plain_row(cfg, args.batches, args.warmup), "fp32"),
-                             ("ours (Composer), fp32", lambda: _composer_row(cfg, "fp32", None, args.batches, args.warmup), "fp32"),
-                             ("ours, bf16 autocast", lambda: _composer_row(cfg, "amp_bf16", None, args.batches, args.warmup), "bf16"),
-                             ("ours, bf16 compiled", lambda: _composer_row(cfg, "amp_bf16", {}, args.batches, args.warmup), "bf16")):
-        print(f"{name}: measuring", file=sys.stderr, flush=True)
-        seconds = run()
-        rows.append({"run": name, "tokens_per_s": tokens / seconds, "mfu": tokens * flops / seconds / peaks[dtype],
-                     "peak": dtype})
+    for name, _, dtype in runs:
+        median = statistics.median(seconds[name])
+        rows.append({"run": name, "tokens_per_s": tokens / median, "mfu": tokens * flops / median / peaks[dtype],
+                     "peak": dtype, "seconds_per_batch": seconds[name]})
     ours = rows[1]["tokens_per_s"]
     print(f"peak matmul ({torch.get_num_threads()} threads, {2048}x{2048}): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
           f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP per token")

@@ -205,13 +205,19 @@ def check_checkpoint(path: str | os.PathLike, model: torch.nn.Module) -> dict[st
 
     Raises:
         FileNotFoundError: if there is no such file.
-        ValueError: naming the file, if it cannot be read (truncated or corrupt: e.g. the run was
-            killed while writing it), is not a Composer checkpoint, or has missing, unexpected or
+        ValueError: naming the file, if it is not a torch.save file at all, cannot be read
+            (truncated or corrupt: e.g. the run was killed while writing it), is not a Composer checkpoint, or has missing, unexpected or
             differently shaped tensors (naming them, with both shapes).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    # torch.save writes a zip archive (legacy: a pickle, protocol 2); an empty file is a truncated one
+    if magic and magic != b"PK\x03\x04" and magic[:1] != b"\x80":
+        raise ValueError(f"{path} is not a checkpoint: torch.save files are zip archives, and this one starts "
+                         f"with {magic!r}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:

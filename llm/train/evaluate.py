@@ -97,7 +97,7 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
 
     from llm.train.builders import build_eval_loaders
     from llm.train.config import load_eval_config
-    from llm.train.trainer import evaluate_sets
+    from llm.train.trainer import composer_precision, evaluate_sets
 
     started = time.perf_counter()
     cfg = load_eval_config(cfg).to_dict()
@@ -113,7 +113,7 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
     eval_sets = build_eval_loaders(cfg["eval_loader"], data.eval, data.tokenizer, seq_len, batch_size,
                                    seed=cfg.get("seed", 17), max_sequences=cfg.get("eval_max_sequences"))
     trainer = Trainer(model=composer_model, load_path=load_path, load_weights_only=True,
-                      precision=cfg.get("precision"), seed=cfg.get("seed", 17),
+                      precision=composer_precision(cfg.get("precision"), composer_model), seed=cfg.get("seed", 17),
                       progress_bar=cfg.get("progress_bar", False), log_to_console=False, run_name="eval")
     if quantization is not None and model is None:
         from llm.quant import quantize

@@ -123,13 +123,14 @@ def cpu_run() -> bool:
     return not torch.cuda.is_available()
 
 
-def _precision(cfg: Mapping[str, Any], model) -> str | None:
-    """Composer's precision; ``amp_bf16`` on a CPU (which Composer refuses) becomes our own
-    autocast of the forward (``model.autocast_dtype``) under Composer's fp32."""
-    if cfg["precision"] == "amp_bf16" and cpu_run():
+def composer_precision(precision: str | None, model) -> str | None:
+    """Composer's precision for a run's ``precision``; ``amp_bf16`` on a CPU (which Composer
+    refuses) becomes our own autocast of ``model``'s forward (``model.autocast_dtype``, a
+    :class:`~llm.train.composer_model.ComposerMosaicGPT`) under Composer's fp32."""
+    if precision == "amp_bf16" and cpu_run():
         model.autocast_dtype = torch.bfloat16
         return "fp32"
-    return cfg["precision"]
+    return precision
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +215,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         eval_interval=cfg["eval_interval"],
         eval_subset_num_batches=cfg["eval_subset_num_batches"],
         device_train_microbatch_size=cfg["device_train_microbatch_size"],
-        precision=_precision(cfg, model),
+        precision=composer_precision(cfg["precision"], model),
         compile_config=cfg["compile_config"],
         seed=cfg["seed"],
         progress_bar=cfg["progress_bar"],

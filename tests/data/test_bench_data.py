@@ -4,12 +4,16 @@ against the goals), and that the preparer's shard writer, whose speed and memory
 measures, writes exactly what Streaming's ``MDSWriter`` writes."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from llm.data.bench import MB, main, write_corpus
 from llm.data.prepare import _ShardWriter
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_corpus_is_real_text_of_the_size_asked_and_deterministic(tmp_path):
@@ -47,7 +51,9 @@ def test_benchmark_computes_consistent_figures(tmp_path, capsys):
     # Encoding runs on threads: the preparing process is the only one, and its peak is measured.
     assert prepare["worker_processes"] == 0 and prepare["peak_rss_workers_sum"] == 0
     assert 0 < prepare["peak_rss_main"] == prepare["peak_rss_total"] <= prepare["ru_maxrss"]
-    assert figures["step"]["batch"] == [32, 128] and figures["loader"]["batches"] >= 1
+    default = yaml.safe_load((REPO_ROOT / "configs/shakespeare.yaml").read_text())
+    assert figures["step"]["batch"] == [default["global_train_batch_size"], default["model"]["max_seq_len"]]
+    assert figures["step"]["precision"] == default["precision"] and figures["loader"]["batches"] >= 1
     assert figures["loader"]["direct_batches"] >= 1 and figures["loader"]["direct_tokens_per_s"] > 0
     printed = capsys.readouterr().out
     for row in ("| Prepare / raw |", "| Prepare peak RSS, main + workers |", "| Loader / training step |"):

@@ -84,10 +84,23 @@ def test_an_existing_output_is_kept_without_overwrite(tmp_path, chars, bpe):
     with pytest.raises(FileExistsError, match="overwrite"):
         save_transformers(model, tmp_path / "hf", chars)
     save_transformers(model, tmp_path / "hf", chars, overwrite=True)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert (tmp_path / "hf").stat().st_mode == fresh.stat().st_mode  # the umask's, not mkdtemp's 0700
     (tmp_path / "m.gguf").write_text("mine")
     with pytest.raises(FileExistsError):
         save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "m.gguf")
+    # --overwrite replaces only what an export wrote: never another file or folder
+    with pytest.raises(FileExistsError, match="is not a GGUF file: not replacing it"):
+        save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "m.gguf", overwrite=True)
     assert (tmp_path / "m.gguf").read_text() == "mine"
+    (fresh / "precious.txt").write_text("mine")
+    for folder in (fresh, tmp_path):  # a folder of the user's; one holding a model folder and more
+        with pytest.raises(FileExistsError, match="is not a model folder"):
+            save_transformers(model, folder, chars, overwrite=True)
+    assert (fresh / "precious.txt").read_text() == "mine"
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path / 'm.gguf'} is a file, not a folder"):
+        save_transformers(model, tmp_path / "m.gguf" / "hf", chars)
 
 
 def test_an_f32_gguf_reads_back_in_ours_and_in_transformers_with_our_logits(tmp_path, bpe):
@@ -198,7 +211,12 @@ def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, capsy
         assert_transformers_equal(model, tmp_path / out, torch.tensor([[3, 4, 5, 6, 7, 8]]))
     for argv, message in (
             (["--model", bundle, "--to", "transformers", "--out", tmp_path / "from-bundle"], "exists: pass --overwrite"),
-            (["--model", checkpoint, "--to", "gguf", "--out", tmp_path / "x.gguf"], "give --config"),
+            (["--model", checkpoint, "--to", "gguf", "--out", tmp_path / "x.gguf"], "needs --config"),
+            (["--model", bundle, "--config", tmp_path / "run.yaml", "--to", "transformers", "--out", tmp_path / "z"],
+             "--config is for a training checkpoint"),
+            (["--model", tmp_path / "run.yaml", "--config", tmp_path / "run.yaml", "--to", "transformers",
+              "--out", tmp_path / "z"], "is not a checkpoint"),
+            (["--model", bundle, "--to", "transformers", "--out", tmp_path, "--overwrite"], "is not a model folder"),
             (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y.gguf"], "character-level")):
         with pytest.raises(SystemExit) as exit_:
             export_main([str(a) for a in argv])

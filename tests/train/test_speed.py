@@ -117,3 +117,21 @@ def test_bad_speed_options_are_refused_by_name(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="optimizer.decay"):
         resolve_config(tiny_config(tiny_data, tmp_path / "run",
                                    optimizer={"name": "adamw", "decay": "norms"}))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batches", "0"], "argument --batches: must be an integer >= 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be an integer >= 0, got -1"),
+    (["configs/nope.yaml"], "no config file configs/nope.yaml"),
+    (["README.md"], "README.md"),
+    (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not an existing folder"),
+])
+def test_the_benchmark_refuses_bad_arguments_in_one_line_before_measuring(argv, message, capsys, monkeypatch):
+    from llm.train import bench
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(bench, "measure_peak_flops", lambda *a, **k: pytest.fail("it started measuring"))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("bench_train.py: error: ") and message in err[0]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llm.formats.files import make_parent
 from llm.formats.transformers import architecture
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")
@@ -152,6 +153,13 @@ def _add_tokenizer(writer, tokenizer, vocab_size: int) -> None:
         writer.add_chat_template(tokenizer.chat_template)
 
 
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32", *, name: str | None = None,
               overwrite: bool = False) -> Path:
     """Write ``model`` and ``tokenizer`` as a GGUF file that llama.cpp loads.
@@ -166,16 +174,21 @@ def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32",
 
     Raises:
         ValueError: for a model or tokenizer GGUF cannot hold as llama.cpp reads it (naming why).
-        FileExistsError: if ``path`` exists and not ``overwrite``.
+        FileExistsError: if ``path`` exists and not ``overwrite``, or exists and is not a GGUF file
+            (it is never deleted then).
+        NotADirectoryError: if an existing parent of ``path`` is a file.
     """
     import gguf
 
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists: pass overwrite=True (--overwrite) to replace it")
+    if path.exists() and not _is_gguf(path):
+        raise FileExistsError(f"{path} exists and is not a GGUF file: not replacing it; remove it yourself or "
+                              "write elsewhere")
+    make_parent(path)
     tensors = gguf_tensors(model, gguf_type)
     c = model.config
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     try:

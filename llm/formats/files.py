@@ -1,0 +1,54 @@
+"""Writing exports without losing anything: atomic replacement, and only of what an export wrote."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def replace_directory(target: Path, write, overwrite: bool) -> None:
+    """Run ``write(tmp)`` on a new folder beside ``target``, then move it to ``target`` (a crash
+    leaves ``target`` as it was). Only a model folder is ever replaced: one that holds
+    ``config.json`` and files only (what an export or ``save_pretrained`` writes).
+
+    Raises:
+        FileExistsError: if ``target`` exists and not ``overwrite``, or exists and is not a model
+            folder (it is never deleted then).
+        NotADirectoryError: if an existing parent of ``target`` is a file.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
+    if target.exists() and not _is_model_folder(target):
+        raise FileExistsError(f"{target} exists and is not a model folder (config.json and files only): "
+                              "not replacing it; remove it yourself or write elsewhere")
+    make_parent(target)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()  # unlike tempfile.mkdtemp (0700), with the umask's permissions, as any folder
+    try:
+        write(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _is_model_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and all(p.is_file() for p in path.iterdir())
+
+
+def make_parent(target: Path) -> None:
+    """Create ``target``'s parent folders; an existing file in the way is named."""
+    for parent in reversed(target.parents):
+        if parent.exists() and not parent.is_dir():
+            raise NotADirectoryError(f"cannot write {target}: {parent} is a file, not a folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
