@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.to == "transformers" and args.gguf_type != "f32":
         parser.error("--gguf-type is for --to gguf")
+    if not str(args.out).strip() or str(args.out) in (".", ".."):
+        parser.error(f"--out must name a folder or file to write, got {str(args.out)!r}")
     try:
         if args.out.exists() and not args.overwrite:
             raise FileExistsError(f"{args.out} exists: pass --overwrite to replace it")

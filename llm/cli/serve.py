@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print(f"serve.py: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
         return 1
+    if any(t.name == "llm-loader" and t.is_alive() for t in threading.enumerate()):
+        # Stopped while the model loads: the interpreter's teardown under a thread inside torch
+        # aborts the process ("terminate called without an active exception"), so leave now.
+        print("serve.py: stopped while the model was loading", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

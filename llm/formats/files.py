@@ -19,6 +19,8 @@ def replace_directory(target: Path, write, overwrite: bool) -> None:
         NotADirectoryError: if an existing parent of ``target`` is a file.
     """
     target = Path(target)
+    if target.exists() and Path.cwd().resolve().is_relative_to(target.resolve()):
+        raise FileExistsError(f"{target} is the current folder or holds it: not replacing it; write elsewhere")
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
     if target.exists() and not _is_model_folder(target):
@@ -30,11 +32,13 @@ def replace_directory(target: Path, write, overwrite: bool) -> None:
     try:
         write(tmp)
         if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.old")  # a fresh name: nobody's
             os.replace(target, old)
             os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # target was a link to an export: the link is replaced, not what it named
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
     except BaseException:

@@ -3,6 +3,7 @@
 transformers' give our logits, quantized ones our quantize-dequantize weights exactly, and
 SmolLM2's own Q4_1 file is reproduced bit for bit."""
 
+import shutil
 import string
 import subprocess
 import sys
@@ -83,7 +84,16 @@ def test_an_existing_output_is_kept_without_overwrite(tmp_path, chars, bpe):
     save_transformers(model, tmp_path / "hf", chars)
     with pytest.raises(FileExistsError, match="overwrite"):
         save_transformers(model, tmp_path / "hf", chars)
+    (tmp_path / ".hf.old").mkdir()  # a folder of the user's with the name a replacement might pick
+    (tmp_path / ".hf.old" / "keep.txt").write_text("mine")
     save_transformers(model, tmp_path / "hf", chars, overwrite=True)
+    assert (tmp_path / ".hf.old" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.old", "hf"]  # nothing left behind
+    (tmp_path / "link").symlink_to(tmp_path / "hf")
+    save_transformers(model, tmp_path / "link", chars, overwrite=True)  # the link is replaced, its target kept
+    assert (tmp_path / "hf" / "config.json").is_file() and not (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.old", "hf", "link"]
+    shutil.rmtree(tmp_path / "link")
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     assert (tmp_path / "hf").stat().st_mode == fresh.stat().st_mode  # the umask's, not mkdtemp's 0700
@@ -217,6 +227,7 @@ def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, capsy
             (["--model", tmp_path / "run.yaml", "--config", tmp_path / "run.yaml", "--to", "transformers",
               "--out", tmp_path / "z"], "is not a checkpoint"),
             (["--model", bundle, "--to", "transformers", "--out", tmp_path, "--overwrite"], "is not a model folder"),
+            (["--model", bundle, "--to", "transformers", "--out", ""], "--out must name a folder or file to write"),
             (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y.gguf"], "character-level")):
         with pytest.raises(SystemExit) as exit_:
             export_main([str(a) for a in argv])

@@ -78,3 +78,25 @@ def test_help_documents_every_flag():
     for flag in ("--model", "--host", "--port", "--max-batch-size", "--max-queue", "--prefix-cache-tokens",
                  "--quantize", "--compile", "--dtype", "--device", "--served-model-name", "--threads"):
         assert flag in done.stdout
+
+
+def test_ctrl_c_while_the_model_loads_exits_0(tmp_path):
+    """The loading thread is inside torch (a slow load), and Ctrl-C comes meanwhile: the process
+    used to abort in the interpreter's teardown (status 134)."""
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import sys, torch\n"
+        "import llm.cli.serve as serve\n"
+        "serve.loader = lambda args: (lambda: [torch.randn(256, 256) @ torch.randn(256, 256) for _ in range(10**7)])\n"
+        "sys.exit(serve.main(sys.argv[1:]))\n")
+    process = subprocess.Popen([sys.executable, str(script), "--model", "smollm2-135m-instruct", "--port", "0"],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in process.stderr:
+            if "Application startup complete" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+        assert "stopped while the model was loading" in process.stderr.read()
+    finally:
+        process.kill()
