@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -273,6 +274,9 @@ class TokenDataset(StreamingDataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+_PREFIX_ATTEMPTS = 5
+
+
 def build_token_dataset(
     sources: list[PreparedSplit],
     dataset_cfg: Mapping[str, Any],
@@ -304,4 +308,12 @@ def build_token_dataset(
                                    remote=source.remote, split=source.split, **dict(source.weights), **options))
     options = {k: dataset_cfg[k] for k in DATASET_OPTIONS if dataset_cfg.get(k) is not None}
     options.setdefault("shuffle_seed", seed)
-    return TokenDataset(streams=streams, batch_size=device_batch_size, **options)
+    for attempt in range(_PREFIX_ATTEMPTS):
+        try:
+            return TokenDataset(streams=streams, batch_size=device_batch_size, **options)
+        except FileExistsError:
+            # Streaming finds the first free shared-memory prefix, then creates it: another process
+            # of this machine (a second job) can create the same one in between. Look again.
+            if attempt == _PREFIX_ATTEMPTS - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))

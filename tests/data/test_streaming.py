@@ -187,3 +187,21 @@ def test_a_job_killed_whole_is_cleaned_for_its_restart(corpora, tmp_path):
     dataset = _dataset(sources, {}, 32)
     assert sum(1 for _ in DataLoader(dataset, batch_size=4)) == len(dataset) // 4
     assert sum(1 for _ in DataLoader(live, batch_size=4)) == len(live) // 4  # the live one is untouched
+
+
+def test_a_shared_memory_prefix_taken_by_another_process_meanwhile_is_looked_up_again(corpora, monkeypatch):
+    """Streaming finds a free prefix, then creates it; a second job on the machine can create it in
+    between (FileExistsError): the dataset is built again on the next free one."""
+    from llm.data import streaming
+
+    real, calls = streaming.TokenDataset.__init__, []
+
+    def racing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise FileExistsError(17, "File exists", "/000001_locals")
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(streaming.TokenDataset, "__init__", racing)
+    dataset = _dataset(resolve_sources({"local": str(corpora / "a")}, "train"), {}, 32)
+    assert len(calls) == 2 and len(dataset) > 0
