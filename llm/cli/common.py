@@ -40,6 +40,14 @@ def integer(minimum: int = 1, maximum: int | None = None):
     return convert
 
 
+def add_model_arguments(p: argparse.ArgumentParser, *, quantize_help: str, compile_help: str) -> None:
+    """The flags of every command that loads a model to run it: --device, --dtype, --quantize, --compile."""
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none", help=quantize_help)
+    p.add_argument("--compile", action="store_true", help=compile_help)
+
+
 def torch_device(text: str):
     """An argparse type: a ``torch.device`` that exists and works on this machine."""
     import torch

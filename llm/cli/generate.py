@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
+from llm.cli.common import ArgumentParser, add_model_arguments, integer
 from llm.formats.registry import load_generation_config, load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
@@ -75,13 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
                    help="heuristic: adapt the draft length and draft only while it pays; constant: always "
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")
-    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
-                   help="weight-only quantization of the model and draft (gguf: keep a .gguf file's own 4-bit blocks)")
-    p.add_argument("--compile", action="store_true",
-                   help="decode through torch.compile over a static cache (the first call of a shape compiles, "
-                        "or loads inductor's disk cache; needs a C++ compiler, else runs uncompiled with a warning)")
+    add_model_arguments(p, quantize_help="weight-only quantization of the model and draft (gguf: keep a .gguf file's own 4-bit blocks)",
+                        compile_help=("decode through torch.compile over a static cache (the first call of a shape compiles, "
+                        "or loads inductor's disk cache; needs a C++ compiler, else runs uncompiled with a warning)"))
     return p
 
 

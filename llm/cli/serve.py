@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from llm.cli.common import DTYPE_NAMES, ArgumentParser, integer, torch_device
+from llm.cli.common import ArgumentParser, add_model_arguments, integer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,13 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=integer(0), default=4096,
                    help="positions of computed prompts kept for reuse by later prompts that start with them "
                         "(least recently used evicted; 0: off; default 4096)")
-    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
-                   help="weight-only quantization (gguf: keep a .gguf file's own 4-bit blocks)")
-    p.add_argument("--compile", action="store_true",
-                   help="decode through torch.compile over static caches (one compile per batch shape, cached "
-                        "on disk; needs a C++ compiler, else runs uncompiled with a warning)")
+    add_model_arguments(p, quantize_help="weight-only quantization (gguf: keep a .gguf file's own 4-bit blocks)",
+                        compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
+                        "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
     p.add_argument("--threads", type=integer(), help="torch threads (default: torch's, one per core)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p

@@ -19,20 +19,14 @@ def replace_directory(target: Path, write, overwrite: bool) -> None:
         NotADirectoryError: if an existing parent of ``target`` is a file.
     """
     target = Path(target)
-    if target.exists() and Path.cwd().resolve().is_relative_to(target.resolve()):
-        raise FileExistsError(f"{target} is the current folder or holds it: not replacing it; write elsewhere")
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
-    if target.exists() and not _is_model_folder(target):
-        raise FileExistsError(f"{target} exists and is not a model folder (config.json and files only): "
-                              "not replacing it; remove it yourself or write elsewhere")
+    check_replaceable(target, overwrite, _is_model_folder, "a model folder (config.json and files only)")
     make_parent(target)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = fresh_sibling(target, "tmp")
     tmp.mkdir()  # unlike tempfile.mkdtemp (0700), with the umask's permissions, as any folder
     try:
         write(tmp)
         if target.exists():
-            old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.old")  # a fresh name: nobody's
+            old = fresh_sibling(target, "old")
             os.replace(target, old)
             os.replace(tmp, target)
             if old.is_symlink():  # target was a link to an export: the link is replaced, not what it named
@@ -44,6 +38,29 @@ def replace_directory(target: Path, write, overwrite: bool) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_replaceable(target: Path, overwrite: bool, is_ours, what: str) -> None:
+    """Refuse to write ``target`` unless it is new, or ``overwrite`` and ``is_ours(target)`` (what
+    an export writes, described by ``what``); the current folder and its parents are never replaced.
+
+    Raises:
+        FileExistsError: naming ``target`` and why it is kept.
+    """
+    if not target.exists():
+        return
+    if Path.cwd().resolve().is_relative_to(target.resolve()):
+        raise FileExistsError(f"{target} is the current folder or holds it: not replacing it; write elsewhere")
+    if not overwrite:
+        raise FileExistsError(f"{target} exists: pass overwrite=True (--overwrite) to replace it")
+    if not is_ours(target):
+        raise FileExistsError(f"{target} exists and is not {what}: not replacing it; remove it yourself or "
+                              "write elsewhere")
+
+
+def fresh_sibling(target: Path, suffix: str) -> Path:
+    """A name beside ``target`` that nothing has (never a user's file: a random part)."""
+    return target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.{suffix}")
 
 
 def _is_model_folder(path: Path) -> bool:

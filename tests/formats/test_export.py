@@ -104,6 +104,9 @@ def test_an_existing_output_is_kept_without_overwrite(tmp_path, chars, bpe):
     with pytest.raises(FileExistsError, match="is not a GGUF file: not replacing it"):
         save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "m.gguf", overwrite=True)
     assert (tmp_path / "m.gguf").read_text() == "mine"
+    (tmp_path / ".n.gguf.tmp").write_text("mine")  # the user's, with the name a writer might pick
+    save_gguf(tiny_model("llama", vocab_size=len(bpe)), bpe, tmp_path / "n.gguf")
+    assert (tmp_path / ".n.gguf.tmp").read_text() == "mine" and (tmp_path / "n.gguf").read_bytes()[:4] == b"GGUF"
     (fresh / "precious.txt").write_text("mine")
     for folder in (fresh, tmp_path):  # a folder of the user's; one holding a model folder and more
         with pytest.raises(FileExistsError, match="is not a model folder"):

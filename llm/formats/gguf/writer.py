@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llm.formats.files import make_parent
+from llm.formats.files import check_replaceable, fresh_sibling, make_parent
 from llm.formats.transformers import architecture
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")
@@ -181,15 +181,11 @@ def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32",
     import gguf
 
     path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists: pass overwrite=True (--overwrite) to replace it")
-    if path.exists() and not _is_gguf(path):
-        raise FileExistsError(f"{path} exists and is not a GGUF file: not replacing it; remove it yourself or "
-                              "write elsewhere")
+    check_replaceable(path, overwrite, _is_gguf, "a GGUF file")
     make_parent(path)
     tensors = gguf_tensors(model, gguf_type)
     c = model.config
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = fresh_sibling(path, "tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     try:
         writer.add_name(name or path.stem)
