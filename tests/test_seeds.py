@@ -24,7 +24,7 @@ def greedy_without_cache(model, embeds, n):
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_seed_000_iterative_generation_from_inputs_embeds_with_a_static_cache(scheme, quantization):
-    model = tiny_model(scheme, quantization=quantization)
+    model = tiny_model(scheme, quantization=quantization, kernels="torch")
     embed = model.get_input_embeddings()
     prompt_cache = StaticCache(model.config, batch_size=1, max_cache_len=96)
 
@@ -53,7 +53,7 @@ def cut_pkv(pkv, length):
 @pytest.mark.parametrize("impl", ["torch", "sdpa"])
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_seed_002_past_key_values_with_two_new_tokens_each_step(scheme, impl, quantization):
-    model = tiny_model(scheme, impl, quantization=quantization)
+    model = tiny_model(scheme, impl, quantization=quantization, kernels="torch")
     prompt = torch.randint(0, 61, (1, 6))
 
     without = prompt
@@ -78,7 +78,7 @@ def test_seed_002_past_key_values_with_two_new_tokens_each_step(scheme, impl, qu
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_seed_004_left_padded_batch_generates_each_row_as_if_alone(scheme, quantization):
-    model = tiny_model(scheme, quantization=quantization)
+    model = tiny_model(scheme, quantization=quantization, kernels="torch")
     prompts = [torch.randint(0, 61, (n,)) for n in (9, 4, 1)]
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)

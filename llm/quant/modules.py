@@ -1,13 +1,15 @@
 """Weight-only quantized layers: drop-in replacements for ``nn.Linear`` and ``nn.Embedding``.
 
 After gpt-fast's ``WeightOnlyInt8Linear`` and ``WeightOnlyInt4Linear`` (quantize.py): the weights
-are stored quantized and the matrix product is torch's quantized kernel
-(:mod:`llm.kernels.quant`); activations enter the kernel in ``activation_dtype`` and leave in the
-input's dtype, so the residual stream keeps the model's dtype.
+are stored quantized. On CPUs with AVX512-VNNI the matrix product is our own kernel
+(:mod:`llm.kernels.cpu_quant`, llama.cpp's method: activations quantized to int8 per 32 inputs,
+integer dot products); elsewhere (GPUs, other CPUs, ``LLM_CPU_KERNELS=0``) it is torch's quantized
+kernel (:mod:`llm.kernels.quant`), activations entering it in ``activation_dtype``. Outputs leave
+in the input's dtype, so the residual stream keeps the model's dtype.
 
-State dicts hold device-independent tensors: int8 codes and float scales; for int4, the codes
-unpacked (uint8, one per weight) with ``scales_and_zeros``. Packing for the kernel happens on
-load and when the module moves to another device.
+State dicts hold device- and kernel-independent tensors: int8 codes and float scales; for int4,
+the codes unpacked (uint8, one per weight) with ``scales_and_zeros``. Packing for the kernel
+happens on load and when the module moves to another device.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from llm.kernels import cpu_quant
 from llm.kernels.quant import aligned, int4_matmul, int4_pack, int4_unpack, int8_matmul
 
 
@@ -81,38 +84,82 @@ def _moves_device(fn, tensor: torch.Tensor) -> torch.device | None:
     return device if device != tensor.device else None
 
 
+def _our_kernel(device: torch.device, out_features: int, in_features: int, group_size: int | None = None) -> bool:
+    """Whether a layer of this shape on ``device`` takes :mod:`llm.kernels.cpu_quant`'s kernels."""
+    return (device.type == "cpu" and cpu_quant.supports(out_features, in_features, group_size) is None
+            and cpu_quant.available(device))
+
+
 class Int8Linear(nn.Module):
     """``nn.Linear`` with an int8 weight, one float scale per output feature.
 
-    Buffers: ``weight`` int8 (out_features, in_features), ``scales`` (out_features,) float,
-    ``bias`` (out_features,) float or None. ``forward``: (..., in_features) -> (..., out_features)
-    in x's dtype, the product computed by ``aten._weight_int8pack_mm`` on x cast to
-    ``activation_dtype``.
+    On CPUs with AVX512-VNNI the product is :func:`llm.kernels.cpu_quant.int8_linear` (``kernel``
+    is ``"llm"``: activations quantized to int8 per 32 inputs, integer dot products), elsewhere
+    torch's ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype`` (``kernel`` ``"torch"``).
+
+    Buffers: ``weight`` int8 codes ((out_features, in_features); in the ``"llm"`` kernel's blocked
+    layout, see :meth:`codes`), ``scales`` (out_features,) float, ``bias`` (out_features,) float or
+    None. The state dict holds the codes (out_features, in_features) whatever the kernel.
+    ``forward``: (..., in_features) -> (..., out_features) in x's dtype.
     """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 activation_dtype: torch.dtype):
+                 activation_dtype: torch.dtype, *, packed: bool = False, in_features: int | None = None):
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.out_features = scales.shape[0]
+        self.in_features = in_features if packed else weight.shape[1]
         self.activation_dtype = activation_dtype
-        self.register_buffer("weight", aligned(weight))
+        self.kernel = "llm" if packed else "torch"
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+        if packed:
+            self.register_buffer("weight", weight)
+            self._refresh_kernel_scales()
+        else:
+            self._set_codes(weight)
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        self.kernel = "llm" if _our_kernel(codes.device, self.out_features, self.in_features) else "torch"
+        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.kernel == "llm"
+                             else aligned(codes))
         self._refresh_kernel_scales()
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes, (out_features, in_features)."""
+        return cpu_quant.unpack_int8(self.weight, self.out_features) if self.kernel == "llm" else self.weight
 
     def _refresh_kernel_scales(self) -> None:
         # The scales as the kernel takes them, cast once rather than at every call: inside a
         # compiled graph the per-call cast is an unrealized pointwise node that inductor's
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
-        self.register_buffer("kernel_scales", self.scales.to(self.activation_dtype), persistent=False)
+        scales = cpu_quant.lane_scales(self.scales) if self.kernel == "llm" else self.scales.to(self.activation_dtype)
+        self.register_buffer("kernel_scales", scales, persistent=False)
 
     def _apply(self, fn, recurse=True):
+        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
+        codes = self.codes() if target is not None else None
         super()._apply(fn, recurse)
+        if codes is not None:
+            self._set_codes(codes.to(target))
         self._refresh_kernel_scales()
         return self
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        codes = state_dict.get(prefix + "weight")
+        if codes is not None and self.kernel == "llm":
+            if codes.dtype != torch.int8 or tuple(codes.shape) != (self.out_features, self.in_features):
+                error_msgs.append(f"{prefix}weight: expected int8 codes {(self.out_features, self.in_features)}, "
+                                  f"got {codes.dtype} {tuple(codes.shape)}")
+                return
+            state_dict = dict(state_dict)
+            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         self._refresh_kernel_scales()
 
     @classmethod
@@ -122,26 +169,42 @@ class Int8Linear(nn.Module):
         return cls(codes, scales, bias, activation_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.activation_dtype)
-        out = int8_matmul(flat, self.weight, self.kernel_scales).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel == "llm":
+            out = cpu_quant.int8_linear(flat, self.weight, self.kernel_scales, self.out_features)
+        else:
+            out = int8_matmul(flat.to(self.activation_dtype), self.weight, self.kernel_scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, activations={self.activation_dtype}"
+        activations = "int8 per 32" if self.kernel == "llm" else self.activation_dtype
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
+                f"activations={activations}")
 
 
 class Int8Embedding(nn.Module):
     """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry).
 
     Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
-    (see :meth:`tied_head`). ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
+    (see :meth:`tied_head`): the codes are kept in the layout of the output layer's kernel and
+    looked up there. The state dict holds them (num_embeddings, embedding_dim).
+    ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
     """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.register_buffer("weight", aligned(weight))
         self.register_buffer("scales", scales)
+        self._set_codes(weight)
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        self.packed = _our_kernel(codes.device, self.num_embeddings, self.embedding_dim)
+        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.packed else aligned(codes))
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes, (num_embeddings, embedding_dim)."""
+        return cpu_quant.unpack_int8(self.weight, self.num_embeddings) if self.packed else self.weight
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Int8Embedding":
@@ -150,23 +213,50 @@ class Int8Embedding(nn.Module):
 
     def tied_head(self, activation_dtype: torch.dtype) -> Int8Linear:
         """The output layer ``x @ E.T`` over the same int8 storage (no copy)."""
-        return Int8Linear(self.weight, self.scales, None, activation_dtype)
+        return Int8Linear(self.weight, self.scales, None, activation_dtype, packed=self.packed,
+                          in_features=self.embedding_dim)
+
+    def _apply(self, fn, recurse=True):
+        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
+        codes = self.codes() if target is not None else None
+        super()._apply(fn, recurse)
+        if codes is not None:
+            self._set_codes(codes.to(target))
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        codes = state_dict.get(prefix + "weight")
+        if codes is not None and self.packed:
+            state_dict = dict(state_dict)
+            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[input_ids].to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+        rows = cpu_quant.int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
+        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 
 class Int4Linear(nn.Module):
-    """``nn.Linear`` with an int4 weight in groups of ``group_size`` inputs, asymmetric
-    (a scale and a zero per group), computed by ``aten._weight_int4pack_mm_for_cpu`` (CUDA:
-    ``_weight_int4pack_mm``).
+    """``nn.Linear`` with an int4 weight in groups of ``group_size`` inputs, asymmetric (a scale and
+    a zero per group): ``w = (q - 8) * scale + zero``, ``q`` in [0, 15].
 
-    Buffers: ``weight`` the kernel's packed codes, ``scales_and_zeros``
-    (in_features // group_size, out_features, 2) in the activation dtype (the kernel takes them in
-    x's dtype: x is cast to their dtype and the output back to x's; casting the module leaves
-    them so), ``bias`` or None. The state
-    dict holds the codes unpacked, uint8 (out_features, in_features), so a saved model loads on
-    any CPU or GPU. ``forward``: (..., in_features) -> (..., out_features) in x's dtype.
+    On CPUs with AVX512-VNNI the product is :func:`llm.kernels.cpu_quant.int4_linear` (``kernel``
+    ``"llm"``: float16 scales and mins ``zero - 8 * scale``, which hold a GGUF Q4_1 or Q4_0 block's
+    own d and m exactly; activations quantized to int8 per 32 inputs). Elsewhere it is torch's
+    ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``; ``kernel`` ``"torch"``)
+    with ``scales_and_zeros`` (in_features // group_size, out_features, 2) in ``activation_dtype``,
+    x cast to it and the output back.
+
+    ``weight`` holds the kernel's packed codes. The state dict holds them unpacked, uint8
+    (out_features, in_features), with ``scales_and_zeros`` as above (float32 from the ``"llm"``
+    kernel), so a saved model loads on any CPU or GPU. ``forward``: (..., in_features) ->
+    (..., out_features) in x's dtype.
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -175,9 +265,26 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         self._activation_dtype = activation_dtype
-        self.register_buffer("weight", int4_pack(codes))
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).to(activation_dtype).contiguous())
         self.register_buffer("bias", bias)
+        self._set_weights(codes, scales, zeros)
+
+    def _set_weights(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Pack codes (out, in) with scales and zeros (out, in // group_size) for the kernel of their device."""
+        device = codes.device
+        for name in ("scales_and_zeros", "kernel_scales", "kernel_mins"):
+            self._buffers.pop(name, None)
+        if _our_kernel(device, self.out_features, self.in_features, self.group_size):
+            self.kernel = "llm"
+            scales, zeros = scales.float(), zeros.float()
+            packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, zeros - 8 * scales)
+            self.register_buffer("weight", packed)
+            self.register_buffer("kernel_scales", kernel_scales, persistent=False)
+            self.register_buffer("kernel_mins", mins, persistent=False)
+        else:
+            self.kernel = "torch"
+            self.register_buffer("weight", int4_pack(codes, device))
+            self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
+                                 .to(device=device, dtype=self._activation_dtype).contiguous())
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
@@ -190,44 +297,74 @@ class Int4Linear(nn.Module):
         return self._activation_dtype
 
     def codes(self) -> torch.Tensor:
-        """The int4 codes, uint8 (out_features, in_features) in [0, 15] (read back through the kernel)."""
+        """The int4 codes, uint8 (out_features, in_features) in [0, 15]."""
+        if self.kernel == "llm":
+            return cpu_quant.unpack_int4(self.weight, self.kernel_scales, self.kernel_mins, self.out_features)[0]
         return int4_unpack(self.weight, self.out_features, self.in_features, self.group_size)
 
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros, float32 (out_features, in_features // group_size) each, as the
+        kernel holds them (``w = (q - 8) * scale + zero``)."""
+        if self.kernel == "llm":
+            _, scales, mins = cpu_quant.unpack_int4(self.weight, self.kernel_scales, self.kernel_mins, self.out_features)
+            return scales.float(), mins.float() + 8 * scales.float()
+        return self.scales_and_zeros[..., 0].t().float(), self.scales_and_zeros[..., 1].t().float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)
-        out = int4_matmul(flat, self.weight, self.scales_and_zeros, self.group_size)
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel == "llm":
+            out = cpu_quant.int4_linear(flat, self.weight, self.kernel_scales, self.kernel_mins, self.group_size,
+                                        self.out_features)
+        else:
+            out = int4_matmul(flat.to(self.scales_and_zeros.dtype), self.weight, self.scales_and_zeros, self.group_size)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.codes()
+        if self.kernel == "llm":
+            scales, zeros = self.groups()
+            destination[prefix + "scales_and_zeros"] = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        codes = state_dict.get(prefix + "weight")
-        if codes is not None:
-            if codes.dtype != torch.uint8 or tuple(codes.shape) != (self.out_features, self.in_features):
-                error_msgs.append(f"{prefix}weight: expected int4 codes uint8 {(self.out_features, self.in_features)}, "
-                                  f"got {codes.dtype} {tuple(codes.shape)}")
-                return
-            state_dict = dict(state_dict)
-            state_dict[prefix + "weight"] = int4_pack(codes, self.scales_and_zeros.device
-                                                      if self.scales_and_zeros.device.type != "meta" else codes.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        codes, groups = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scales_and_zeros")
+        shape = (self.in_features // self.group_size, self.out_features, 2)
+        if codes is not None and (codes.dtype != torch.uint8 or tuple(codes.shape) != (self.out_features, self.in_features)):
+            error_msgs.append(f"{prefix}weight: expected int4 codes uint8 {(self.out_features, self.in_features)}, "
+                              f"got {codes.dtype} {tuple(codes.shape)}")
+            return
+        if groups is not None and tuple(groups.shape) != shape:
+            error_msgs.append(f"{prefix}scales_and_zeros: expected {shape}, got {tuple(groups.shape)}")
+            return
+        for key, value in ((prefix + "weight", codes), (prefix + "scales_and_zeros", groups)):
+            if value is None:
+                missing_keys.append(key)
+        rest = {k: v for k, v in state_dict.items() if k not in (prefix + "weight", prefix + "scales_and_zeros")}
+        if codes is not None and groups is not None:
+            device = self.weight.device if self.weight.device.type != "meta" else codes.device
+            self._set_weights(codes.to(device), groups[..., 0].t().to(device), groups[..., 1].t().to(device))
+        missing = []
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected_keys, error_msgs)
+        missing_keys.extend(k for k in missing if k not in (prefix + "weight", prefix + "scales_and_zeros"))
 
     def _apply(self, fn, recurse=True):
-        # the packed layout belongs to its device: unpack before a move, pack again after it
+        # the packed layout belongs to its device and kernel: unpack before a move, pack again after it
         target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
-        codes = self.codes() if target is not None else None
+        weights = (self.codes(), *self.groups()) if target is not None else None
         super()._apply(fn, recurse)
-        if codes is not None:
-            self.weight = int4_pack(codes, target)
-        # a cast of the model (to float32, say) must not move the kernel off its activation dtype
-        self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
+        if weights is not None:
+            self._set_weights(*(t.to(target) for t in weights))
+        # a cast of the model (to float32, say) must not move the kernel off its own dtypes
+        if self.kernel == "llm":
+            self.kernel_scales = self.kernel_scales.to(torch.float16)
+            self.kernel_mins = self.kernel_mins.to(torch.float16)
+        else:
+            self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
         return self
 
     def extra_repr(self) -> str:
+        activations = "int8 per 32" if self.kernel == "llm" else self.activation_dtype
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"activations={self.activation_dtype}")
+                f"kernel={self.kernel}, activations={activations}")

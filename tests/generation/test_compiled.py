@@ -37,7 +37,7 @@ def left_padded(batch=3, length=11, seed=0):
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", list(POSITION_SCHEMES))
 def test_compiled_greedy_and_sampled_tokens_equal_eager(scheme, quantization, counter):
-    model = tiny_model(scheme, quantization=quantization)
+    model = tiny_model(scheme, quantization=quantization, kernels="torch")
     ids, mask = left_padded()
     # a prompt longer than one prefill chunk, so that prefill runs twice with a padded last chunk
     long_ids = torch.randint(0, 61, (1, compiled.PREFILL_CHUNK + 5))
@@ -96,8 +96,8 @@ def test_one_compile_serves_every_position_prompt_length_and_call(counter):
 @torch.no_grad()
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_reference_and_draft_decoding_compiled_equal_plain_greedy(quantization, counter):
-    model = tiny_model("llama", quantization=quantization)
-    draft = tiny_model("llama", seed=1, n_layers=1, quantization=quantization)
+    model = tiny_model("llama", quantization=quantization, kernels="torch")
+    draft = tiny_model("llama", seed=1, n_layers=1, quantization=quantization, kernels="torch")
     prompt = torch.randint(0, 61, (1, 8))
     plain = model.generate(prompt, max_new_tokens=40, do_sample=False)
     copied = model.generate(prompt, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=6,
@@ -140,7 +140,7 @@ def test_inductor_compiles_the_steps_to_the_eager_tokens(tmp_path, monkeypatch, 
     # the real backend (C++ kernels from inductor), on the smallest model
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
-    model = tiny_model("llama", n_layers=1, quantization=quantization)
+    model = tiny_model("llama", n_layers=1, quantization=quantization, kernels="torch")
     ids, mask = left_padded(batch=2)
     eager = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     with warnings.catch_warnings():

@@ -13,7 +13,7 @@ from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", list(POSITION_SCHEMES))
 def test_reference_decoding_is_greedy_decoding_and_copies_in_few_forwards(scheme, quantization):
-    model = tiny_model(scheme, quantization=quantization)
+    model = tiny_model(scheme, quantization=quantization, kernels="torch")
     prompt = torch.randint(0, 61, (1, 8))
     plain = model.generate(prompt, max_new_tokens=40, return_dict_in_generate=True)
     answer = plain.sequences[0, 8:]
@@ -60,8 +60,8 @@ def test_heuristic_schedule_shortens_failing_drafts_and_keeps_right_ones_long():
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("scheme", ["learned", "alibi", "llama"])
 def test_draft_model_decoding_is_greedy_decoding(scheme, quantization):
-    model = tiny_model(scheme, quantization=quantization)
-    draft = tiny_model(scheme, seed=5, n_layers=1, quantization=quantization)
+    model = tiny_model(scheme, quantization=quantization, kernels="torch")
+    draft = tiny_model(scheme, seed=5, n_layers=1, quantization=quantization, kernels="torch")
     prompt = torch.randint(0, 61, (1, 6))
     plain = model.generate(prompt, max_new_tokens=30)
     out = model.generate(prompt, max_new_tokens=30, assistant_model=draft, num_assistant_tokens=3,

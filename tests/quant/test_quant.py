@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.formats import PRETRAINED
+from llm.kernels import cpu_quant
 from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import int4_groups
@@ -24,9 +25,20 @@ needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run
 
 
 def kernel_weight(module: Int4Linear) -> torch.Tensor:
-    """The float32 weight an Int4Linear multiplies by, read through its own kernel."""
-    eye = torch.eye(module.in_features, dtype=module.activation_dtype)
+    """The float32 weight an Int4Linear multiplies by, read through its own kernel (the rows of the
+    identity are exact in either kernel's activations)."""
+    eye = torch.eye(module.in_features, dtype=torch.float32 if module.kernel == "llm" else module.activation_dtype)
     return module(eye).float().t()
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as our CPU kernels see it: int8 per 32 inputs, scale max |x| / 127, round half to even."""
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(groups * (127 / amax)), torch.zeros_like(groups))
+    return (codes * (amax / 127)).reshape(x.shape)
+
+
 
 
 def fake_q4_0(rows: int, cols: int, seed: int = 0):
@@ -42,6 +54,18 @@ def fake_q4_0(rows: int, cols: int, seed: int = 0):
 def check_blocks(tensor, rows: int, cols: int) -> None:
     codes, scales, zeros = int4_blocks(tensor)
     reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(rows, cols).astype(np.float32))
+    if cpu_quant.unavailable() is None:
+        # our kernel keeps the block's float16 d and m themselves: the file's weights, exactly
+        with cpu_quant.enabled():
+            ours = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16)
+        assert ours.kernel == "llm" and torch.equal(ours.codes(), codes)
+        assert all(torch.equal(a, b) for a, b in zip(ours.groups(), (scales, zeros)))
+        torch.testing.assert_close(kernel_weight(ours), reference, atol=1e-6 * float(reference.abs().max()), rtol=0)
+    with cpu_quant.disabled():
+        check_torch_kernel_blocks(codes, scales, zeros, reference, rows, cols)
+
+
+def check_torch_kernel_blocks(codes, scales, zeros, reference, rows: int, cols: int) -> None:
     exact = Int4Linear(codes, scales, zeros, None, 32, torch.float32)
     # the file's codes are kept: reading them back gives them unchanged
     assert torch.equal(exact.codes(), codes)
@@ -79,10 +103,12 @@ def test_gguf_native_model_keeps_the_files_projections():
     wqkv = model.blocks[3].attn.Wqkv
     assert isinstance(wqkv, Int4Linear) and wqkv.activation_dtype == torch.bfloat16
     reference = _float(sources["blocks.3.attn.Wqkv.weight"], reader.path)
-    exact = Int4Linear(wqkv.codes(), wqkv.scales_and_zeros[..., 0].t().float(),
-                       wqkv.scales_and_zeros[..., 1].t().float(), None, 32, torch.float32)
-    # bfloat16 scales: each weight within the rounding of its block's scale and zero
-    assert float((kernel_weight(exact) - reference).abs().max()) < 2**-8 * float(reference.abs().max()) * 9
+    exact = Int4Linear(wqkv.codes(), *wqkv.groups(), None, 32, torch.float32)
+    error = float((kernel_weight(exact) - reference).abs().max())
+    if wqkv.kernel == "llm":  # float16 d and m: the file's own
+        assert error <= 1e-6 * float(reference.abs().max())
+    else:  # bfloat16 scales: each weight within the rounding of its block's scale and zero
+        assert error < 2**-8 * float(reference.abs().max()) * 9
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight is model.wte.weight
     ids = torch.tensor([[1, 504, 2660, 314, 253, 1953, 28, 2055, 2012, 3260]])
     with torch.no_grad():
@@ -92,25 +118,43 @@ def test_gguf_native_model_keeps_the_files_projections():
     assert torch.equal(ours.argmax(-1)[0, 3:], reference_logits.argmax(-1)[0, 3:])
 
 
+@pytest.mark.parametrize("kernel", ["llm", "torch"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_linears_multiply_by_their_dequantized_weights(method):
+def test_quantized_linears_multiply_by_their_dequantized_weights(method, kernel):
+    if kernel == "llm" and cpu_quant.unavailable():
+        pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 5, 64)
+    with cpu_quant.enabled() if kernel == "llm" else cpu_quant.disabled():
+        module = (Int8Linear.from_float(weight, bias, torch.bfloat16) if method == "int8"
+                  else Int4Linear.from_float(weight, bias, 32, torch.bfloat16))
+    assert module.kernel == kernel
     if method == "int8":
-        module = Int8Linear.from_float(weight, bias, torch.bfloat16)
-        dequantized = module.weight.float() * module.scales[:, None]
+        dequantized = module.codes().float() * module.scales[:, None]
     else:
-        module = Int4Linear.from_float(weight, bias, 32, torch.bfloat16)
         codes, scales, zeros = int4_groups(weight, 32)
         dequantized = ((codes.float() - 8).view(96, 2, 32) * scales[..., None] + zeros[..., None]).view(96, 64)
         assert torch.equal(module.codes(), codes)
     # round to nearest: within half a step of the float weight
     step = (dequantized - weight).abs().max()
     assert float(step) < (0.5 / 127 if method == "int8" else 0.5 / 15) * float(weight.abs().max()) * 2 + 1e-6
-    reference = x.bfloat16().float() @ dequantized.bfloat16().float().t()
     out = module(x)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 96)
-    torch.testing.assert_close(out - bias, reference, atol=2**-7 * float(reference.abs().max()), rtol=0)
+    if kernel == "llm":
+        # int8 activations times the codes' part; the mins (float16 zero - 8 scale) times the
+        # activations' exact sums per group
+        if method == "int8":
+            reference = int8_activations(x) @ dequantized.t()
+        else:
+            held_scales, held_zeros = module.groups()
+            assert torch.equal(held_scales, scales.half().float())
+            mins = held_zeros - 8 * held_scales
+            reference = (int8_activations(x) @ (codes.float().view(96, 2, 32) * held_scales[..., None]).view(96, 64).t()
+                         + x.view(2, 5, 2, 32).sum(-1) @ mins.t())
+        torch.testing.assert_close(out - bias, reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+    else:
+        reference = x.bfloat16().float() @ dequantized.bfloat16().float().t()
+        torch.testing.assert_close(out - bias, reference, atol=2**-7 * float(reference.abs().max()), rtol=0)
 
 
 def test_layers_the_kernel_cannot_take_stay_float_and_are_reported(caplog):
@@ -189,21 +233,25 @@ def test_a_quantized_model_casts_and_keeps_working():
     # the residual stream is cast, the kernel's activations stay bfloat16 (float16 or float32 ones
     # would take a slow path)
     wqkv = model.blocks[0].attn.Wqkv
-    assert model.dtype == torch.float16 and wqkv.scales_and_zeros.dtype == wqkv.activation_dtype == torch.bfloat16
+    kernel_dtype = wqkv.kernel_scales.dtype if wqkv.kernel == "llm" else wqkv.scales_and_zeros.dtype
+    assert model.dtype == torch.float16 and kernel_dtype == (torch.float16 if wqkv.kernel == "llm" else torch.bfloat16)
     after = model(ids).logits
     assert after.dtype == torch.float16
     # a float16 residual stream: close to the float32 one, not equal
     torch.testing.assert_close(after.float(), before, atol=0.15 * float(before.abs().max()), rtol=0)
 
 
-def test_int8_kernel_scales_follow_loaded_and_cast_scales():
-    from llm.quant import Int8Linear
-
-    layer = Int8Linear.from_float(torch.randn(64, 32), None, torch.bfloat16)
+@pytest.mark.parametrize("ours", [False, True])
+def test_int8_kernel_scales_follow_loaded_and_cast_scales(ours):
+    if ours and cpu_quant.unavailable():
+        pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
+    with cpu_quant.enabled() if ours else cpu_quant.disabled():
+        layer = Int8Linear.from_float(torch.randn(64, 32), None, torch.bfloat16)
+        other = Int8Linear.from_float(4 * torch.randn(64, 32), None, torch.bfloat16)
     x = torch.randn(3, 32)
-    other = Int8Linear.from_float(4 * torch.randn(64, 32), None, torch.bfloat16)
     layer.load_state_dict(other.state_dict())
     assert "kernel_scales" not in layer.state_dict()  # a cast copy, not saved
     torch.testing.assert_close(layer(x), other(x), atol=0, rtol=0)
-    layer.to(torch.float16)  # the kernel's activations stay bfloat16, its scales with them
-    assert layer.kernel_scales.dtype == torch.bfloat16 and layer(x.half()).dtype == torch.float16
+    layer.to(torch.float16)  # the kernel's own dtypes stay: torch's bfloat16 activations, our float32 scales
+    expected = torch.float32 if layer.kernel == "llm" else torch.bfloat16
+    assert layer.kernel_scales.dtype == expected and layer(x.half()).dtype == torch.float16

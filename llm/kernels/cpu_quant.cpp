@@ -1,0 +1,275 @@
+// Weight-only int4 and int8 matrix products for x86-64 CPUs with AVX512-VNNI, built at first use
+// by llm/kernels/cpu.py (torch.utils.cpp_extension) and registered as torch operators (llm::*).
+//
+// The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): activations
+// are quantized to int8 in groups of 32 per token (scale = max|x| / 127, round to nearest), the
+// products are integer dot products (vpdpbusd: unsigned bytes times signed bytes, 4 at a time into
+// int32), and the float scales are applied once per group of 32. Unlike ggml, the lanes of a vector
+// are 16 output features (a "block" of rows), not 16 inputs, so the weights of 16 rows are read
+// once per token tile and no horizontal sums are needed (torch's int4 CPU kernel's layout).
+//
+// Layouts (made by llm/kernels/cpu.py; NB = ceil(N / 16) blocks of 16 output rows, padded):
+//   int4 codes  (NB, K / 8, 16, 4) uint8: for block b, inputs 8t..8t+7 of row 16b+i: byte j holds
+//               q[8t + j] in its low nibble and q[8t + 4 + j] in its high nibble.
+//   int4 scales, mins (NB, K / G, 16) fp16: w = q * scale + min (GGUF Q4_1's convention).
+//   int8 codes  (NB, K / 4, 16, 4) int8: bytes j of row 16b+i at (b, t, i, j) = q[4t + j].
+//   int8 scales (NB * 16,) float32: w = q * scale.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LLM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // output rows per block: one zmm of int32 or float
+constexpr int64_t kTile = 8;    // tokens per pass over a block's weights
+constexpr int64_t kGroup = 32;  // inputs per activation scale
+
+bool supported() {
+#ifdef LLM_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+void check(const at::Tensor& x, const at::Tensor& codes, int64_t n, int64_t bytes_per_block) {
+  TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "x must be (rows, in_features) with in_features % 32 == 0, got ",
+              x.sizes());
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4,
+              "codes must be a contiguous (blocks, steps, 16, 4) layout, got ", codes.sizes());
+  TORCH_CHECK(codes.size(0) == (n + kLanes - 1) / kLanes && codes.size(1) * 4 * kLanes == bytes_per_block,
+              "codes of shape ", codes.sizes(), " do not match ", n, " outputs of ", x.size(1), " inputs");
+}
+
+#ifdef LLM_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")
+
+// Per token and group of 32 inputs: int8 codes, the float scale, the sum of the codes (int8 x
+// int8 products need it) and, per weight group of G inputs, the sum of x (for int4's mins).
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  std::vector<int32_t> qsum;
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, Acts& a) {
+  const int64_t C = K / kGroup, KG = K / G;
+  a.q.resize(M * K);
+  a.d.resize(M * C);
+  a.qsum.resize(M * C);
+  a.sum.assign(M * KG, 0.f);
+  for (int64_t i = 0; i < M * C; ++i) {
+    const float* p = x + i * kGroup;
+    const __m512 u = _mm512_loadu_ps(p), v = _mm512_loadu_ps(p + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv));  // round to nearest even
+    const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qu));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qv));
+    a.d[i] = amax / 127.f;
+    a.qsum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qu, qv));
+    a.sum[(i / C) * KG + (i % C) * kGroup / G] += _mm512_reduce_add_ps(_mm512_add_ps(u, v));
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+
+// 16 output rows for R tokens of int4 weights. The high nibbles are masked, not shifted: their
+// products come out 16 times too large, which the scale's 1/16 undoes exactly (int32 holds
+// 16 * 15 * 127 * 32).
+template <int R>
+void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t K, int64_t G, const int8_t* xq,
+                const float* xd, const float* xs, int64_t ldo, float* out, __mmask16 mask) {
+  const int64_t C = K / kGroup, KG = K / G;
+  const __m512i lo_mask = _mm512_set1_epi8(0x0F), hi_mask = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512 sixteenth = _mm512_set1_ps(1.f / 16.f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < KG; ++g) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kLanes)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kLanes)));
+    const __m512 dv16 = _mm512_mul_ps(dv, sixteenth);
+    for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
+      __m512i lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + (c * 4 + j) * 64);
+        lo[j] = _mm512_and_si512(v, lo_mask);
+        hi[j] = _mm512_and_si512(v, hi_mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + c * kGroup;
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          i0 = _mm512_dpbusd_epi32(i0, lo[j], broadcast4(xr + 8 * j));
+          i1 = _mm512_dpbusd_epi32(i1, hi[j], broadcast4(xr + 8 * j + 4));
+        }
+        const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(i0, 4), i1);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv16, _mm512_set1_ps(xd[r * C + c])), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * KG + g]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) store(out + r * ldo, acc[r], mask);
+}
+
+// 16 output rows for R tokens of int8 weights. vpdpbusd needs one unsigned operand: the weights
+// enter as w + 128 (the sign bit flipped), and 128 * sum(x codes) is taken off.
+template <int R>
+void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq, const float* xd,
+                const int32_t* xqs, int64_t ldo, float* out, __mmask16 mask) {
+  const int64_t C = K / kGroup;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i wv[8];
+    for (int j = 0; j < 8; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w + (c * 8 + j) * 64), flip);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * K + c * kGroup;
+      __m512i i0 = _mm512_set1_epi32(-128 * xqs[r * C + c]), i1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        i0 = _mm512_dpbusd_epi32(i0, wv[j], broadcast4(xr + 4 * j));
+        i1 = _mm512_dpbusd_epi32(i1, wv[j + 1], broadcast4(xr + 4 * j + 4));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(xd[r * C + c]), acc[r]);
+    }
+  }
+  const __m512 sv = _mm512_loadu_ps(scale);
+  for (int r = 0; r < R; ++r) store(out + r * ldo, _mm512_mul_ps(acc[r], sv), mask);
+}
+
+// Calls f(first token, std::integral_constant<int, R>) for tiles of at most kTile tokens.
+template <typename F>
+void tiles(int64_t M, F&& f) {
+  for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+    switch (std::min(kTile, M - r0)) {
+      case 1: f(r0, std::integral_constant<int, 1>()); break;
+      case 2: f(r0, std::integral_constant<int, 2>()); break;
+      case 3: f(r0, std::integral_constant<int, 3>()); break;
+      case 4: f(r0, std::integral_constant<int, 4>()); break;
+      case 5: f(r0, std::integral_constant<int, 5>()); break;
+      case 6: f(r0, std::integral_constant<int, 6>()); break;
+      case 7: f(r0, std::integral_constant<int, 7>()); break;
+      default: f(r0, std::integral_constant<int, 8>()); break;
+    }
+  }
+}
+
+__mmask16 block_mask(int64_t b, int64_t n) {
+  const int64_t left = n - b * kLanes;
+  return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// Blocks per task: enough work per thread wake-up, and at least two tasks when there are threads.
+int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16, blocks / (2 * at::get_num_threads()))); }
+
+at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t group_size, int64_t n) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  check(x, codes, n, K * 8);
+  TORCH_CHECK(group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
+              " must be a multiple of 32 that divides in_features ", K);
+  const int64_t KG = K / group_size;
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  mins.scalar_type() == at::kHalf && scales.numel() == codes.size(0) * KG * kLanes &&
+                  mins.numel() == scales.numel(),
+              "scales and mins must be contiguous float16 (blocks, in_features / group_size, 16)");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  Acts a;
+  quantize_acts(x.data_ptr<float>(), M, K, group_size, a);
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const at::Half* dp = scales.data_ptr<at::Half>();
+  const at::Half* mp = mins.data_ptr<at::Half>();
+  float* o = out.data_ptr<float>();
+  const int64_t C = K / kGroup, NB = codes.size(0);
+  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __mmask16 mask = block_mask(b, n);
+      tiles(M, [&](int64_t r0, auto R) {
+        int4_block<decltype(R)::value>(w + b * K * 8, dp + b * KG * kLanes, mp + b * KG * kLanes, K, group_size,
+                                       a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, n,
+                                       o + r0 * n + b * kLanes, mask);
+      });
+    }
+  });
+  return out;
+}
+
+at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  check(x, codes, n, K * kLanes);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == codes.size(0) * kLanes,
+              "scales must be contiguous float32 (blocks * 16,)");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  Acts a;
+  quantize_acts(x.data_ptr<float>(), M, K, K, a);
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t C = K / kGroup, NB = codes.size(0);
+  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __mmask16 mask = block_mask(b, n);
+      tiles(M, [&](int64_t r0, auto R) {
+        int8_block<decltype(R)::value>(w + b * K * kLanes, sp + b * kLanes, K, a.q.data() + r0 * K,
+                                       a.d.data() + r0 * C, a.qsum.data() + r0 * C, n, o + r0 * n + b * kLanes,
+                                       mask);
+      });
+    }
+  });
+  return out;
+}
+
+#pragma GCC pop_options
+#else
+at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&, const at::Tensor&,
+                           int64_t, int64_t n) {
+  check(x, codes, n, 0);
+  return at::Tensor();
+}
+at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&, int64_t n) {
+  check(x, codes, n, 0);
+  return at::Tensor();
+}
+#endif
+
+bool cpu_supported() { return supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY(llm, m) {
+  m.def("cpu_supported() -> bool", &cpu_supported);
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm, CPU, m) {
+  m.impl("int4_linear", &int4_linear_cpu);
+  m.impl("int8_linear", &int8_linear_cpu);
+}

@@ -1,0 +1,196 @@
+"""Our own int4 and int8 weight-only matmuls for CPUs with AVX512-VNNI (``cpu_quant.cpp``).
+
+The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): each token's
+activations are quantized to int8 in groups of 32 inputs (scale ``max |x| / 127``), the products
+are integer dot products, and the float scales are applied per group of 32. The lanes of a vector
+are 16 output features, so the weights are read once per tile of 8 tokens and stream at the
+memory bandwidth for one token. Each token's row is computed alone: results do not depend on
+the batch, the prompt length or the cache.
+
+The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (about 15 s, then
+cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
+registers the operators ``torch.ops.llm.int4_linear`` and ``torch.ops.llm.int8_linear`` (with
+fake implementations, so ``torch.compile`` calls them as they are). They are off unless
+switched on (``LLM_CPU_KERNELS=1``, or :func:`enabled`): on SmolLM2 they speed up int8 decoding
+and prefill but not yet the compiled int4 step, and their int8 activations cost some bits per
+byte (README, Fast decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
+no C++ compiler); quantized layers then take torch's kernels (:mod:`llm.kernels.quant`).
+
+Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 group size):
+
+- int4: codes ``(ceil(N / 16), K / 8, 16, 4)`` uint8 (two 4-bit codes a byte), scales and mins
+  ``(ceil(N / 16), K / G, 16)`` float16, ``w = q * scale + min`` (GGUF Q4_1's convention).
+- int8: codes ``(ceil(N / 16), K / 4, 16, 4)`` int8, scales ``(16 * ceil(N / 16),)`` float32,
+  ``w = q * scale``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+LANES = 16
+GROUP = 32
+_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+
+log = logging.getLogger(__name__)
+
+
+_enabled = os.environ.get("LLM_CPU_KERNELS", "0") == "1"
+
+
+def build(source: Path = _SOURCE) -> str | None:
+    """Compile and load ``source`` (cached on disk by its contents); returns why that failed, as a
+    sentence, after one warning, or None."""
+    with contextlib.redirect_stderr(io.StringIO()):  # its import prints a CUDA_HOME notice
+        from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(name=f"llm_cpu_quant_{digest}", sources=[str(source)], extra_cflags=["-O3"],
+                               is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as err:
+        detail = str(err).strip().splitlines()
+        reason = f"building {source.name} failed ({detail[-1] if detail else type(err).__name__})"
+        warnings.warn(f"llm's CPU kernels are not used: {reason}; quantized layers take torch's kernels", stacklevel=2)
+        return reason
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why the kernels cannot run on this machine (a sentence), or None once they are built and
+    loaded (the first call builds them)."""
+    reason = build()
+    if reason is not None:
+        return reason
+    if not torch.ops.llm.cpu_supported():
+        return "this CPU lacks AVX512-VNNI (or AVX512-BW/VL, F16C)"
+    _register_fakes()
+    return None
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """Whether quantized layers made now on ``device`` take these kernels: they are switched on
+    (``LLM_CPU_KERNELS=1`` in the environment, or inside :func:`enabled`), the device is a CPU,
+    and they run here."""
+    return _enabled and torch.device(device).type == "cpu" and unavailable() is None
+
+
+@contextlib.contextmanager
+def _switch(on: bool):
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def enabled():
+    """Quantized layers made, loaded or moved inside take these kernels where they run."""
+    return _switch(True)
+
+
+def disabled():
+    """Quantized layers made, loaded or moved inside take torch's kernels."""
+    return _switch(False)
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("llm::int4_linear")
+    def _(x, codes, scales, mins, group_size, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("llm::int8_linear")
+    def _(x, codes, scales, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+def supports(out_features: int, in_features: int, group_size: int | None = None) -> str | None:
+    """Why an (out_features, in_features) weight cannot take these kernels, or None if it can
+    (the int4 group size, when given, must be a multiple of 32 dividing ``in_features``)."""
+    if in_features % GROUP:
+        return f"in_features {in_features} is not a multiple of {GROUP}"
+    if group_size is not None and (group_size % GROUP or in_features % group_size):
+        return f"group_size {group_size} is not a multiple of {GROUP} dividing in_features {in_features}"
+    return None
+
+
+def _blocks(rows: torch.Tensor) -> torch.Tensor:
+    """(N, ...) -> (ceil(N / 16), 16, ...), zero rows appended."""
+    n = rows.shape[0]
+    pad = -n % LANES
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+    return rows.reshape(-1, LANES, *rows.shape[1:])
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 layout of the module docstring from codes (N, K) in [0, 15] and per-group
+    ``scales``, ``mins`` (N, K / G) of any float dtype (rounded to float16)."""
+    k = codes.shape[1]
+    q = _blocks(codes.to(torch.uint8)).view(-1, LANES, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).contiguous()
+    return packed, _group_lanes(scales), _group_lanes(mins)
+
+
+def _group_lanes(values: torch.Tensor) -> torch.Tensor:
+    return _blocks(values.to(torch.float16)).transpose(1, 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4`: codes uint8 (n, K), scales and mins float16 (n, K / G)."""
+    blocks, steps = packed.shape[:2]
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # (blocks, K / 8, 16, 2, 4)
+    codes = q.permute(0, 2, 1, 3, 4).reshape(blocks * LANES, steps * 8)[:n]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(blocks * LANES, -1)[:n]
+
+    return codes, rows(scales), rows(mins)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """The int8 layout of codes int8 (N, K)."""
+    k = codes.shape[1]
+    return _blocks(codes).view(-1, LANES, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def lane_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Per-row int8 ``scales`` (N,) as the kernel takes them: float32 (16 * ceil(N / 16),)."""
+    return _blocks(scales.float()).reshape(-1).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8` for the codes: int8 (n, K)."""
+    blocks, steps = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(blocks * LANES, steps * 4)[:n]
+
+
+def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape, int64) of a packed int8 table: int8 (*ids.shape, K) (an embedding
+    lookup that needs no second, unpacked copy of a tied table)."""
+    steps = packed.shape[1]
+    return packed[ids // LANES, :, ids % LANES].reshape(*ids.shape, steps * 4)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                n: int) -> torch.Tensor:
+    """``x @ w.T`` for a packed int4 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    return torch.ops.llm.int4_linear(x, packed, scales, mins, group_size, n)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    return torch.ops.llm.int8_linear(x, packed, scales, n)

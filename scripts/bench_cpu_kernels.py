@@ -1,0 +1,68 @@
+"""Our CPU int4/int8 kernels (llm/kernels/cpu_quant.cpp) against torch's, on SmolLM2's GGUF file,
+next to llama.cpp: decode tokens/s at batch 1, prefill tokens/s and held-out bits per byte, the
+engines taking turns in one process. Needs llama-cpp-python: run it with
+`.venv-peers/bin/python scripts/bench_cpu_kernels.py` after `make bench-peers`, alone on the machine.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+from llm.formats.registry import load_tokenizer, resolve
+from llm.generation.bench import _timed_interleaved
+from llm.generation.bench_fast import _generate, bits_per_byte, eval_blocks, llama_nll, load_ours, ours_nll, prompt_ids
+from llm.generation.peers import LlamaCpp, llama_cpp_missing
+from llm.kernels import cpu_quant
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pretrained", default="smollm2-135m-instruct")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bpb-blocks", type=int, default=8)
+    parser.add_argument("--bpb-block-len", type=int, default=256)
+    args = parser.parse_args(argv)
+    for why in (llama_cpp_missing(), cpu_quant.unavailable()):
+        if why:
+            parser.error(why)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="llm-bench-inductor-"))
+    tokenizer = load_tokenizer(args.pretrained)
+    prompt = prompt_ids(tokenizer)
+    ids, n = torch.tensor([prompt]), args.new_tokens
+    path = str(resolve(args.pretrained)[1])
+    models = {}
+    for quantization in ("gguf", "int8"):
+        with cpu_quant.disabled():
+            models[f"{quantization}, torch's kernels"] = load_ours(args.pretrained, quantization)
+        with cpu_quant.enabled():
+            models[f"{quantization}, ours"] = load_ours(args.pretrained, quantization)
+    threads = torch.get_num_threads()
+    llama = LlamaCpp(path, n_threads=threads, n_ctx=len(prompt) + n + 16, n_seq_max=1)
+    calls = {f"{name}{' compiled' if c else ''}": (lambda k, m=m, c=c: _generate(False, m, ids, k, c, tokenizer))
+             for name, m in models.items() for c in (False, True)}
+    calls["llama.cpp"] = lambda k: torch.from_numpy(llama.greedy([prompt], k))
+    for call in calls.values():
+        call(2)  # compile (and warm) before timing
+    names = list(calls)
+    first = _timed_interleaved([lambda f=calls[m]: f(1) for m in names], args.repeats, min_total_s=1.0)
+    full = _timed_interleaved([lambda f=calls[m]: f(n) for m in names], args.repeats, min_total_s=1.0)
+    decode = {m: (n - 1) / max(tn - t1, 1e-9) for m, (t1, _), (tn, _) in zip(names, first, full)}
+    blocks, n_bytes = eval_blocks(tokenizer, args.bpb_blocks, args.bpb_block_len)
+    bpb = {name: bits_per_byte(ours_nll(m, blocks), n_bytes) for name, m in models.items()}
+    bpb["llama.cpp"] = bits_per_byte(llama_nll(LlamaCpp(path, n_threads=threads, n_ctx=args.bpb_block_len + 16),
+                                               blocks), n_bytes)
+    print("| engine | decode tok/s, batch 1 | vs llama.cpp | prefill tok/s | bits per byte |")
+    print("| --- | --- | --- | --- | --- |")
+    for m, (t1, _) in zip(names, first):
+        quality = bpb.get(m.removesuffix(" compiled"))
+        print(f"| {m} | {decode[m]:.1f} | {decode[m] / decode['llama.cpp']:.2f} | {len(prompt) / t1:.0f} | "
+              f"{quality:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Our int4 and int8 CPU kernels (llm/kernels/cpu_quant.cpp): the arithmetic they promise (int8
+activations per 32 inputs, integer dot products, float scales), rows independent of their batch,
+layouts that unpack to what was packed, state dicts that load on either kernel, torch.compile
+calling them, token identity on SmolLM2 for every cache path, and the fallbacks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm import MosaicGPT
+from llm.formats import PRETRAINED
+from llm.formats.gguf.reader import load_gguf
+from llm.generation import compiled
+from llm.kernels import cpu_quant
+from llm.quant import Int4Linear, Int8Embedding, Int8Linear, quantize
+from tests.conftest import tiny_model
+from tests.quant.test_quant import int8_activations
+
+ROOT = Path(__file__).resolve().parents[2]
+GGUF = ROOT / PRETRAINED["smollm2-135m-instruct"]
+pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
+
+
+@pytest.fixture(autouse=True)
+def ours():
+    """Every layer of these tests made on our kernels, unless a test says otherwise."""
+    with cpu_quant.enabled():
+        yield
+
+
+def int4_reference(x, codes, scales, mins, group_size):
+    """float64: int8 activations times q * scale, plus each group's exact sum of x times its min."""
+    n, k = codes.shape
+    weight = (codes.double().view(n, k // group_size, group_size) * scales.double()[..., None]).view(n, k)
+    sums = x.double().view(x.shape[0], k // group_size, group_size).sum(-1)
+    return int8_activations(x).double() @ weight.t() + sums @ mins.double().t()
+
+
+@pytest.mark.parametrize("n,k,group_size", [(16, 32, 32), (50, 64, 32), (49, 192, 64), (33, 256, 128), (20, 512, 256)])
+def test_int4_kernel_computes_its_stated_arithmetic(n, k, group_size):
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group_size, generator=g) * 0.02).half()
+    mins = (-torch.rand(n, k // group_size, generator=g) * 0.1).half()
+    packed = cpu_quant.pack_int4(codes, scales, mins)
+    assert all(torch.equal(a, b) for a, b in zip(cpu_quant.unpack_int4(*packed, n), (codes, scales, mins)))
+    for rows in (1, 3, 8, 19):  # tiles of 8 tokens and their remainders
+        x = torch.randn(rows, k, generator=g) * 3
+        x[0, :32] = 0  # an all-zero group
+        out = cpu_quant.int4_linear(x, *packed, group_size, n)
+        reference = int4_reference(x, codes, scales, mins, group_size)
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        torch.testing.assert_close(out.double(), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+    # bfloat16 activations are taken as their float32 values
+    xb = torch.randn(2, k, generator=g).bfloat16()
+    assert torch.equal(cpu_quant.int4_linear(xb, *packed, group_size, n), cpu_quant.int4_linear(xb.float(), *packed,
+                                                                                                group_size, n))
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (61, 96), (130, 576)])
+def test_int8_kernel_computes_its_stated_arithmetic(n, k):
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, generator=g) * 0.01
+    packed = cpu_quant.pack_int8(codes)
+    assert torch.equal(cpu_quant.unpack_int8(packed, n), codes)
+    ids = torch.randint(0, n, (3, 4), generator=g)
+    assert torch.equal(cpu_quant.int8_rows(packed, ids), codes[ids])
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, k, generator=g)
+        out = cpu_quant.int8_linear(x, packed, cpu_quant.lane_scales(scales), n)
+        reference = int8_activations(x).double() @ (codes.double() * scales.double()[:, None]).t()
+        torch.testing.assert_close(out.double(), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_each_row_is_computed_alone(method):
+    # what makes a cached step equal the full forward: a row's result does not depend on the others
+    torch.manual_seed(0)
+    layer = (Int8Linear.from_float(torch.randn(70, 128), None, torch.bfloat16) if method == "int8"
+             else Int4Linear.from_float(torch.randn(70, 128), None, 32, torch.bfloat16))
+    assert layer.kernel == "llm"
+    x = torch.randn(21, 128)
+    batch = layer(x)
+    assert all(torch.equal(batch[i], layer(x[i:i + 1])[0]) for i in range(21))
+    assert torch.equal(layer(x[3:12]), batch[3:12])
+
+
+def test_kernels_raise_clear_errors_on_bad_layouts():
+    codes = cpu_quant.pack_int8(torch.zeros(16, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="in_features % 32 == 0"):
+        cpu_quant.int8_linear(torch.randn(2, 48), codes, torch.ones(16), 16)
+    with pytest.raises(RuntimeError, match="do not match 16 outputs of 96 inputs"):
+        cpu_quant.int8_linear(torch.randn(2, 96), codes, torch.ones(16), 16)
+    with pytest.raises(RuntimeError, match="group_size 48 must be a multiple of 32"):
+        cpu_quant.int4_linear(torch.randn(2, 96), *cpu_quant.pack_int4(torch.zeros(16, 96, dtype=torch.uint8),
+                                                                      torch.ones(16, 2), torch.ones(16, 2)), 48, 16)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["learned", "llama"])  # tied and untied output layers
+def test_state_dicts_load_on_either_kernel(tmp_path, method, scheme):
+    ours = quantize(tiny_model(scheme), method)
+    with cpu_quant.disabled():
+        theirs = quantize(tiny_model(scheme), method)
+    assert {m.kernel for m in ours.modules() if hasattr(m, "kernel")} == {"llm"}
+    assert {m.kernel for m in theirs.modules() if hasattr(m, "kernel")} == {"torch"}
+    ours.save_pretrained(tmp_path / "ours")
+    with cpu_quant.disabled():
+        loaded = MosaicGPT.from_pretrained(tmp_path / "ours")
+    assert {m.kernel for m in loaded.modules() if hasattr(m, "kernel")} == {"torch"}
+    # the same codes and scales behind both (the int4 scales as float16 d, zero - 8 d on our side)
+    for name, module in ours.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear, Int8Embedding)):
+            other = loaded.get_submodule(name)
+            assert torch.equal(module.codes(), other.codes())
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        ours_logits, loaded_logits = ours(ids).logits, loaded(ids).logits
+        torch.testing.assert_close(loaded_logits, ours_logits, atol=0.1 * float(ours_logits.abs().max()), rtol=0)
+        again = MosaicGPT.from_pretrained(tmp_path / "ours")
+        assert torch.equal(again(ids).logits, ours_logits)
+
+
+@torch.no_grad()
+def test_tied_embedding_shares_the_packed_table():
+    model = quantize(tiny_model("learned"), "int8")
+    assert model.wte.packed and model.lm_head.weight is model.wte.weight
+    ids = torch.randint(0, 61, (2, 5))
+    codes = model.wte.codes()
+    assert torch.equal(model.wte(ids), codes[ids].float() * model.wte.scales[ids][..., None])
+
+
+@torch.no_grad()
+def test_torch_compile_calls_the_kernels_in_a_graph(monkeypatch, tmp_path):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama", n_layers=1, quantization="int4")
+    embeds = model.get_input_embeddings()(torch.randint(0, 61, (2, 7)))
+    eager = model(inputs_embeds=embeds).logits
+    # dynamo's graph run eagerly is the eager arithmetic; inductor fuses the float32 ops around the
+    # kernels (norms, rotary), whose last-bit changes can move an activation to its next int8 code
+    for backend, atol in ((CompileCounterWithBackend("eager"), 0.0), ("inductor", 0.02 * float(eager.abs().max()))):
+        torch._dynamo.reset()
+        step = torch.compile(lambda e: model(inputs_embeds=e).logits, backend=backend, fullgraph=True)
+        torch.testing.assert_close(step(embeds), eager, atol=atol, rtol=0)
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not GGUF.is_file():
+        pytest.skip(f"{GGUF} missing: run `make data`")
+    with cpu_quant.enabled():
+        model = load_gguf(GGUF, quantization="gguf")
+    assert model.blocks[0].attn.Wqkv.kernel == "llm" and model.lm_head.kernel == "llm"
+    return model
+
+
+PROMPT = torch.tensor([[1, 504, 2660, 314, 253, 1953, 28, 2055, 2012, 3260, 30, 378, 1953, 314]])
+
+
+def assert_greedy_up_to_ties(model, sequences, prompt_length, tolerance=0.02):
+    """Every generated token is an argmax of the uncached forward over the sequence before it, up
+    to ``tolerance`` of the logits' range: int8 activations round last-bit differences between
+    attention paths (one query or many) to different codes, so two paths part at near-ties
+    only (a wrong kernel or cache would pick tokens whole logits below the best)."""
+    logits = model(sequences).logits[0, prompt_length - 1:-1]
+    chosen = logits.gather(-1, sequences[0, prompt_length:, None])[:, 0]
+    shortfall = logits.max(-1).values - chosen
+    assert float(shortfall.max()) <= tolerance * float(logits.abs().max()), shortfall
+
+
+@torch.no_grad()
+def test_smollm2_cached_reference_draft_and_compiled_decoding_are_greedy(smollm2, monkeypatch):
+    n = PROMPT.shape[1]
+    plain = smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False)
+    assert_greedy_up_to_ties(smollm2, plain, n)
+    lookup = smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4,
+                              reference_ids=[plain[0, n:]], return_dict_in_generate=True)
+    assert_greedy_up_to_ties(smollm2, lookup.sequences, n)
+    assert lookup.stats["forward_passes"] < 24  # the reference was taken
+    assert_greedy_up_to_ties(smollm2, smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False,
+                                                       assistant_model=smollm2), n)
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")  # dynamo's graphs, run eagerly: fast to build
+    assert_greedy_up_to_ties(smollm2, smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, compile=True), n)
+    torch._dynamo.reset()
+
+
+def test_a_source_that_does_not_build_warns_once_and_says_why(tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with pytest.warns(UserWarning, match="llm's CPU kernels are not used: building broken.cpp failed"):
+        reason = cpu_quant.build(broken)
+    assert reason.startswith("building broken.cpp failed (")
+
+
+def test_the_environment_switch_and_the_override_select_torchs_kernels():
+    script = ("from llm.kernels import cpu_quant; from llm.quant import Int4Linear; import torch;"
+              "print(cpu_quant.unavailable());"
+              "print(Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel)")
+    for value, kernel in (("1", "llm"), ("0", "torch"), (None, "torch")):  # off unless switched on
+        env = {k: v for k, v in os.environ.items() if k != "LLM_CPU_KERNELS"}
+        env.update({} if value is None else {"LLM_CPU_KERNELS": value})
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                             cwd=ROOT)
+        assert out.stdout.split("\n")[:2] == ["None", kernel]
+    with cpu_quant.disabled():
+        assert not cpu_quant.available() and cpu_quant.unavailable() is None
+        layer = Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16)
+    assert layer.kernel == "torch" and cpu_quant.available()
+    assert Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel == "llm"
