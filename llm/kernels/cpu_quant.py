@@ -2,7 +2,8 @@
 
 The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): each token's
 activations are quantized to int8 in groups of 32 inputs (scale ``max |x| / 127``), the products
-are integer dot products, and the float scales are applied per group of 32. The lanes of a vector
+are integer dot products, and the float scales are applied per group of 32 (an int4 group's min
+multiplies the sum of the quantized activations, ggml's Q8_1 ``s``). The lanes of a vector
 are 16 output features, so the weights are read once per tile of 8 tokens and stream at the
 memory bandwidth for one token. Each token's row is computed alone: results do not depend on
 the batch, the prompt length or the cache.
@@ -11,9 +12,9 @@ The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (a
 cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
 registers the operators ``torch.ops.llm.int4_linear`` and ``torch.ops.llm.int8_linear`` (with
 fake implementations, so ``torch.compile`` calls them as they are). They are off unless
-switched on (``LLM_CPU_KERNELS=1``, or :func:`enabled`): on SmolLM2 they speed up int8 decoding
-and prefill but not yet the compiled int4 step, and their int8 activations cost some bits per
-byte (README, Fast decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
+switched on (``LLM_CPU_KERNELS=1``, or :func:`enabled`): their int8 activations make cached,
+speculative and compiled decoding equal the uncached greedy only up to near-ties (README, Fast
+decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
 no C++ compiler); quantized layers then take torch's kernels (:mod:`llm.kernels.quant`).
 
 Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 group size):

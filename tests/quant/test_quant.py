@@ -141,16 +141,13 @@ def test_quantized_linears_multiply_by_their_dequantized_weights(method, kernel)
     out = module(x)
     assert out.dtype == torch.float32 and out.shape == (2, 5, 96)
     if kernel == "llm":
-        # int8 activations times the codes' part; the mins (float16 zero - 8 scale) times the
-        # activations' exact sums per group
-        if method == "int8":
-            reference = int8_activations(x) @ dequantized.t()
-        else:
+        # int8 activations times the weight as the kernel holds it (int4: float16 scale and min)
+        if method == "int4":
             held_scales, held_zeros = module.groups()
             assert torch.equal(held_scales, scales.half().float())
-            mins = held_zeros - 8 * held_scales
-            reference = (int8_activations(x) @ (codes.float().view(96, 2, 32) * held_scales[..., None]).view(96, 64).t()
-                         + x.view(2, 5, 2, 32).sum(-1) @ mins.t())
+            dequantized = ((codes.float() - 8).view(96, 2, 32) * held_scales[..., None]
+                           + held_zeros[..., None]).view(96, 64)
+        reference = int8_activations(x) @ dequantized.t()
         torch.testing.assert_close(out - bias, reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
     else:
         reference = x.bfloat16().float() @ dequantized.bfloat16().float().t()
