@@ -295,7 +295,6 @@ def build_token_dataset(
     Raises:
         PreparedDataError: if ``max_seq_len`` exceeds a source's prepared row length.
     """
-    streams = []
     for source in sources:
         row_len = source.manifest["seq_len"]
         if max_seq_len > row_len:
@@ -303,14 +302,20 @@ def build_token_dataset(
                 f"{source.local} was prepared in rows of {row_len} tokens, shorter than the model's max_seq_len "
                 f"{max_seq_len}: prepare it again with --seq-len {max_seq_len} or more"
             )
-        options = {k: dataset_cfg[k] for k in STREAM_OPTIONS if dataset_cfg.get(k) is not None}
-        streams.append(TokenStream(max_seq_len=max_seq_len, row_len=row_len, local=source.local,
-                                   remote=source.remote, split=source.split, **dict(source.weights), **options))
+    stream_options = {k: dataset_cfg[k] for k in STREAM_OPTIONS if dataset_cfg.get(k) is not None}
+
+    def streams() -> list[TokenStream]:
+        # new ones for every attempt: Streaming's dataset sets their weights (proportion, repeat,
+        # choose) on them, and refuses streams that carry more than one
+        return [TokenStream(max_seq_len=max_seq_len, row_len=source.manifest["seq_len"], local=source.local,
+                            remote=source.remote, split=source.split, **dict(source.weights), **stream_options)
+                for source in sources]
+
     options = {k: dataset_cfg[k] for k in DATASET_OPTIONS if dataset_cfg.get(k) is not None}
     options.setdefault("shuffle_seed", seed)
     for attempt in range(_PREFIX_ATTEMPTS):
         try:
-            return TokenDataset(streams=streams, batch_size=device_batch_size, **options)
+            return TokenDataset(streams=streams(), batch_size=device_batch_size, **options)
         except FileExistsError:
             # Streaming finds the first free shared-memory prefix, then creates it: another process
             # of this machine (a second job) can create the same one in between. Look again.

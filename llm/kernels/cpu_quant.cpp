@@ -20,7 +20,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -79,8 +81,11 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, Acts& a) {
   for (int64_t i = 0; i < M * C; ++i) {
     const float* p = x + i * kGroup;
     const __m512 u = _mm512_loadu_ps(p), v = _mm512_loadu_ps(p + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
+    // max drops NaN; a NaN or infinite input makes its group's scale NaN, so it reaches the output
+    if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)))))
+      amax = std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);  // NaN > 0 is false: codes 0
     const __m512i qu = _mm512_cvtps_epi32(_mm512_mul_ps(u, inv));  // round to nearest even
     const __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qu));
@@ -190,16 +195,18 @@ int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16
 
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                            const at::Tensor& mins, int64_t group_size, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (rows, in_features), got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   check(x, codes, n, K * 8);
-  TORCH_CHECK(group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
+  TORCH_CHECK(group_size > 0 && group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
               " must be a multiple of 32 that divides in_features ", K);
   const int64_t KG = K / group_size;
   TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.scalar_type() == at::kHalf &&
                   mins.scalar_type() == at::kHalf && scales.numel() == codes.size(0) * KG * kLanes &&
                   mins.numel() == scales.numel(),
-              "scales and mins must be contiguous float16 (blocks, in_features / group_size, 16)");
+              "scales and mins must be contiguous float16 (", codes.size(0), ", ", KG, ", 16) for group_size ",
+              group_size, ", got ", scales.sizes(), " and ", mins.sizes());
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   Acts a;
@@ -223,6 +230,7 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
 }
 
 at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (rows, in_features), got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   check(x, codes, n, K * kLanes);

@@ -12,7 +12,7 @@ The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (a
 cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
 registers the operators ``torch.ops.llm.int4_linear`` and ``torch.ops.llm.int8_linear`` (with
 fake implementations, so ``torch.compile`` calls them as they are). They are off unless
-switched on (``LLM_CPU_KERNELS=1``, or :func:`enabled`): their int8 activations make cached,
+switched on (``LLM_CPU_KERNELS=1``, read when ``llm`` is imported, or :func:`enabled`): their int8 activations make cached,
 speculative and compiled decoding equal the uncached greedy only up to near-ties (README, Fast
 decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
 no C++ compiler); quantized layers then take torch's kernels (:mod:`llm.kernels.quant`).
@@ -33,6 +33,7 @@ import hashlib
 import io
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -45,7 +46,23 @@ _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 log = logging.getLogger(__name__)
 
 
-_enabled = os.environ.get("LLM_CPU_KERNELS", "0") == "1"
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False,
+           "": False}
+#: How long a build directory's lock may stand before it counts as left by a killed build (a
+#: build takes about 12 s; torch's lock would otherwise be waited on forever).
+STALE_LOCK_S = 300
+
+
+def _switch_from_environment() -> bool:
+    value = os.environ.get("LLM_CPU_KERNELS", "")
+    if value.strip().lower() not in _SWITCH:
+        warnings.warn(f"LLM_CPU_KERNELS={value!r} is not one of 1/0 (true/false, yes/no, on/off): "
+                      f"llm's CPU kernels stay off", stacklevel=2)
+        return False
+    return _SWITCH[value.strip().lower()]
+
+
+_enabled = _switch_from_environment()
 
 
 def build(source: Path = _SOURCE) -> str | None:
@@ -54,15 +71,21 @@ def build(source: Path = _SOURCE) -> str | None:
     with contextlib.redirect_stderr(io.StringIO()):  # its import prints a CUDA_HOME notice
         from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"llm_cpu_quant_{hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]}"
     try:
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing %s, left by a build that was killed %.0f s ago", lock, time.time() - lock.stat().st_mtime)
+            lock.unlink(missing_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp_extension.load(name=f"llm_cpu_quant_{digest}", sources=[str(source)], extra_cflags=["-O3"],
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3"], is_python_module=False,
+                               verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
-        detail = str(err).strip().splitlines()
-        reason = f"building {source.name} failed ({detail[-1] if detail else type(err).__name__})"
+        # ninja's last lines only say that it stopped: keep the compiler's own last line
+        detail = [line for line in str(err).strip().splitlines()
+                  if line.strip() and not line.startswith(("ninja:", "FAILED:", "[", "Error building extension"))]
+        reason = f"building {source.name} failed ({detail[-1].strip() if detail else str(err).strip() or type(err).__name__})"
         warnings.warn(f"llm's CPU kernels are not used: {reason}; quantized layers take torch's kernels", stacklevel=2)
         return reason
     return None
@@ -99,12 +122,13 @@ def _switch(on: bool):
 
 
 def enabled():
-    """Quantized layers made, loaded or moved inside take these kernels where they run."""
+    """Quantized layers made, loaded or moved to another device inside take these kernels where
+    they run (a dtype cast keeps a layer's kernel). The switch is the process's, not a thread's."""
     return _switch(True)
 
 
 def disabled():
-    """Quantized layers made, loaded or moved inside take torch's kernels."""
+    """Quantized layers made, loaded or moved to another device inside take torch's kernels."""
     return _switch(False)
 
 

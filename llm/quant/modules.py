@@ -132,8 +132,15 @@ class Int8Linear(nn.Module):
         # The scales as the kernel takes them, cast once rather than at every call: inside a
         # compiled graph the per-call cast is an unrealized pointwise node that inductor's
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
-        scales = cpu_quant.lane_scales(self.scales) if self.kernel == "llm" else self.scales.to(self.activation_dtype)
+        scales = cpu_quant.lane_scales(self.scales) if self.kernel == "llm" else self.scales.to(self._torch_dtype())
         self.register_buffer("kernel_scales", scales, persistent=False)
+
+    def _torch_dtype(self) -> torch.dtype:
+        # torch 2.7's CPU kernel with bfloat16 or float16 activations reads past the rows when
+        # in_features % 16 != 0 (wrong results, or a segfault from 18 rows on): float32 there
+        if self.weight.device.type == "cpu" and self.in_features % 16:
+            return torch.float32
+        return self.activation_dtype
 
     def _apply(self, fn, recurse=True):
         target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
@@ -173,12 +180,12 @@ class Int8Linear(nn.Module):
         if self.kernel == "llm":
             out = cpu_quant.int8_linear(flat, self.weight, self.kernel_scales, self.out_features)
         else:
-            out = int8_matmul(flat.to(self.activation_dtype), self.weight, self.kernel_scales)
+            out = int8_matmul(flat.to(self.kernel_scales.dtype), self.weight, self.kernel_scales)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        activations = "int8 per 32" if self.kernel == "llm" else self.activation_dtype
+        activations = "int8 per 32" if self.kernel == "llm" else self._torch_dtype()
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
                 f"activations={activations}")
 

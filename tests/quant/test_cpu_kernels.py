@@ -96,9 +96,25 @@ def test_kernels_raise_clear_errors_on_bad_layouts():
         cpu_quant.int8_linear(torch.randn(2, 48), codes, torch.ones(16), 16)
     with pytest.raises(RuntimeError, match="do not match 16 outputs of 96 inputs"):
         cpu_quant.int8_linear(torch.randn(2, 96), codes, torch.ones(16), 16)
-    with pytest.raises(RuntimeError, match="group_size 48 must be a multiple of 32"):
-        cpu_quant.int4_linear(torch.randn(2, 96), *cpu_quant.pack_int4(torch.zeros(16, 96, dtype=torch.uint8),
-                                                                      torch.ones(16, 2), torch.ones(16, 2)), 48, 16)
+    int4 = cpu_quant.pack_int4(torch.zeros(16, 96, dtype=torch.uint8), torch.ones(16, 3), torch.ones(16, 3))
+    for group_size in (48, 0, -32):  # 0 once divided by zero (SIGFPE)
+        with pytest.raises(RuntimeError, match=f"group_size {group_size} must be a multiple of 32"):
+            cpu_quant.int4_linear(torch.randn(2, 96), *int4, group_size, 16)
+    with pytest.raises(RuntimeError, match=r"scales and mins must be .* \(1, 1, 16\) for group_size 96, got \[1, 3, 16\]"):
+        cpu_quant.int4_linear(torch.randn(2, 96), *int4, 96, 16)
+    with pytest.raises(RuntimeError, match=r"x must be \(rows, in_features\), got \[96\]"):
+        cpu_quant.int4_linear(torch.randn(96), *int4, 32, 16)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_reaches_the_output(bad):
+    # a max over the group drops NaN: without a check the row came out finite and wrong
+    x = torch.randn(3, 64)
+    x[1, 5] = bad
+    int4 = cpu_quant.pack_int4(torch.randint(0, 16, (16, 64), dtype=torch.uint8), torch.rand(16, 2), torch.rand(16, 2))
+    int8 = cpu_quant.pack_int8(torch.randint(-127, 128, (16, 64), dtype=torch.int8))
+    for out in (cpu_quant.int4_linear(x, *int4, 32, 16), cpu_quant.int8_linear(x, int8, torch.ones(16), 16)):
+        assert not torch.isfinite(out[1]).any() and torch.isfinite(out[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -198,19 +214,38 @@ def test_a_source_that_does_not_build_warns_once_and_says_why(tmp_path):
     broken.write_text("this is not C++\n")
     with pytest.warns(UserWarning, match="llm's CPU kernels are not used: building broken.cpp failed"):
         reason = cpu_quant.build(broken)
-    assert reason.startswith("building broken.cpp failed (")
+    assert reason.startswith("building broken.cpp failed (") and "ninja" not in reason  # the compiler's line
+
+
+def test_no_compiler_and_a_killed_builds_lock(tmp_path):
+    script = "from llm.kernels import cpu_quant; print(cpu_quant.unavailable())"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "a"), CXX="/nonexistent/g++")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert "/nonexistent/g++: not found" in out.stdout and out.stderr.count("llm's CPU kernels are not used") == 1
+    # a build killed with SIGKILL leaves torch's lock behind, which it would wait on forever
+    name = next(p.name for p in (tmp_path / "a").iterdir())
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "a"))
+    lock = tmp_path / "a" / name / "lock"
+    lock.write_text("")
+    old = lock.stat().st_mtime - cpu_quant.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.stdout.strip() == "None" and "left by a build that was killed" in out.stderr
 
 
 def test_the_environment_switch_and_the_override_select_torchs_kernels():
     script = ("from llm.kernels import cpu_quant; from llm.quant import Int4Linear; import torch;"
               "print(cpu_quant.unavailable());"
               "print(Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel)")
-    for value, kernel in (("1", "llm"), ("0", "torch"), (None, "torch")):  # off unless switched on
+    for value, kernel in (("1", "llm"), (" Yes", "llm"), ("0", "torch"), ("", "torch"), (None, "torch"),
+                          ("2", "torch")):  # off unless switched on
         env = {k: v for k, v in os.environ.items() if k != "LLM_CPU_KERNELS"}
         env.update({} if value is None else {"LLM_CPU_KERNELS": value})
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
                              cwd=ROOT)
         assert out.stdout.split("\n")[:2] == ["None", kernel]
+        assert ("LLM_CPU_KERNELS='2' is not one of 1/0" in out.stderr) == (value == "2")
     with cpu_quant.disabled():
         assert not cpu_quant.available() and cpu_quant.unavailable() is None
         layer = Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16)

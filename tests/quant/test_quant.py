@@ -238,6 +238,20 @@ def test_a_quantized_model_casts_and_keeps_working():
     torch.testing.assert_close(after.float(), before, atol=0.15 * float(before.abs().max()), rtol=0)
 
 
+@torch.no_grad()
+def test_torchs_int8_kernel_takes_float32_activations_where_bfloat16_would_misread():
+    # torch 2.7's CPU int8 kernel with bfloat16 activations and in_features % 16 != 0 gave wrong
+    # rows (from 1 row) or a segfault (from 18 rows)
+    torch.manual_seed(0)
+    for in_features in (40, 100):
+        weight, x = torch.randn(96, in_features), torch.randn(18, in_features)
+        with cpu_quant.disabled():
+            layer = Int8Linear.from_float(weight, None, torch.bfloat16)
+        assert layer.kernel_scales.dtype == torch.float32
+        reference = x @ (layer.codes().float() * layer.scales[:, None]).t()
+        torch.testing.assert_close(layer(x), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+
+
 @pytest.mark.parametrize("ours", [False, True])
 def test_int8_kernel_scales_follow_loaded_and_cast_scales(ours):
     if ours and cpu_quant.unavailable():
