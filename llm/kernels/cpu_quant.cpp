@@ -49,8 +49,8 @@ bool supported() {
 
 void check(const at::Tensor& x, const at::Tensor& codes, int64_t n, int64_t bytes_per_block) {
   TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "x must be (rows, in_features) with in_features % 32 == 0, got ",
-              x.sizes());
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got ", x.sizes());
+  TORCH_CHECK(x.size(1) % kGroup == 0, "x must be (rows, in_features) with in_features % 32 == 0, got ", x.sizes());
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4,
               "codes must be a contiguous (blocks, steps, 16, 4) layout, got ", codes.sizes());
   TORCH_CHECK(codes.size(0) == (n + kLanes - 1) / kLanes && codes.size(1) * 4 * kLanes == bytes_per_block,
@@ -168,23 +168,6 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
   for (int r = 0; r < R; ++r) store(out + r * ldo, _mm512_mul_ps(acc[r], sv), mask);
 }
 
-// Calls f(first token, std::integral_constant<int, R>) for tiles of at most kTile tokens.
-template <typename F>
-void tiles(int64_t M, F&& f) {
-  for (int64_t r0 = 0; r0 < M; r0 += kTile) {
-    switch (std::min(kTile, M - r0)) {
-      case 1: f(r0, std::integral_constant<int, 1>()); break;
-      case 2: f(r0, std::integral_constant<int, 2>()); break;
-      case 3: f(r0, std::integral_constant<int, 3>()); break;
-      case 4: f(r0, std::integral_constant<int, 4>()); break;
-      case 5: f(r0, std::integral_constant<int, 5>()); break;
-      case 6: f(r0, std::integral_constant<int, 6>()); break;
-      case 7: f(r0, std::integral_constant<int, 7>()); break;
-      default: f(r0, std::integral_constant<int, 8>()); break;
-    }
-  }
-}
-
 __mmask16 block_mask(int64_t b, int64_t n) {
   const int64_t left = n - b * kLanes;
   return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -193,12 +176,35 @@ __mmask16 block_mask(int64_t b, int64_t n) {
 // Blocks per task: enough work per thread wake-up, and at least two tasks when there are threads.
 int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16, blocks / (2 * at::get_num_threads()))); }
 
+// Calls f(block, first token, std::integral_constant<int, R>, mask of the block's real rows) for
+// every block of 16 output rows (split over torch's threads) and tile of at most kTile tokens.
+template <typename F>
+void for_each_tile(int64_t blocks, int64_t M, int64_t n, F&& f) {
+  at::parallel_for(0, blocks, grain(blocks), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __mmask16 mask = block_mask(b, n);
+      for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+        switch (std::min(kTile, M - r0)) {
+          case 1: f(b, r0, std::integral_constant<int, 1>(), mask); break;
+          case 2: f(b, r0, std::integral_constant<int, 2>(), mask); break;
+          case 3: f(b, r0, std::integral_constant<int, 3>(), mask); break;
+          case 4: f(b, r0, std::integral_constant<int, 4>(), mask); break;
+          case 5: f(b, r0, std::integral_constant<int, 5>(), mask); break;
+          case 6: f(b, r0, std::integral_constant<int, 6>(), mask); break;
+          case 7: f(b, r0, std::integral_constant<int, 7>(), mask); break;
+          default: f(b, r0, std::integral_constant<int, 8>(), mask); break;
+        }
+      }
+    }
+  });
+}
+
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                            const at::Tensor& mins, int64_t group_size, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be (rows, in_features), got ", x_in.sizes());
+  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
+  check(x_in, codes, n, K * 8);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  check(x, codes, n, K * 8);
+  const int64_t M = x.size(0);
   TORCH_CHECK(group_size > 0 && group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
               " must be a multiple of 32 that divides in_features ", K);
   const int64_t KG = K / group_size;
@@ -216,24 +222,19 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   const at::Half* mp = mins.data_ptr<at::Half>();
   float* o = out.data_ptr<float>();
   const int64_t C = K / kGroup, NB = codes.size(0);
-  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __mmask16 mask = block_mask(b, n);
-      tiles(M, [&](int64_t r0, auto R) {
-        int4_block<decltype(R)::value>(w + b * K * 8, dp + b * KG * kLanes, mp + b * KG * kLanes, K, group_size,
-                                       a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, n,
-                                       o + r0 * n + b * kLanes, mask);
-      });
-    }
+  for_each_tile(NB, M, n, [&](int64_t b, int64_t r0, auto R, __mmask16 mask) {
+    int4_block<decltype(R)::value>(w + b * K * 8, dp + b * KG * kLanes, mp + b * KG * kLanes, K, group_size,
+                                   a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, n,
+                                   o + r0 * n + b * kLanes, mask);
   });
   return out;
 }
 
 at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be (rows, in_features), got ", x_in.sizes());
+  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
+  check(x_in, codes, n, K * kLanes);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  check(x, codes, n, K * kLanes);
+  const int64_t M = x.size(0);
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == codes.size(0) * kLanes,
               "scales must be contiguous float32 (blocks * 16,)");
   at::Tensor out = at::empty({M, n}, x.options());
@@ -244,15 +245,9 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   const float* sp = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t C = K / kGroup, NB = codes.size(0);
-  at::parallel_for(0, NB, grain(NB), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __mmask16 mask = block_mask(b, n);
-      tiles(M, [&](int64_t r0, auto R) {
-        int8_block<decltype(R)::value>(w + b * K * kLanes, sp + b * kLanes, K, a.q.data() + r0 * K,
-                                       a.d.data() + r0 * C, a.qsum.data() + r0 * C, n, o + r0 * n + b * kLanes,
-                                       mask);
-      });
-    }
+  for_each_tile(NB, M, n, [&](int64_t b, int64_t r0, auto R, __mmask16 mask) {
+    int8_block<decltype(R)::value>(w + b * K * kLanes, sp + b * kLanes, K, a.q.data() + r0 * K, a.d.data() + r0 * C,
+                                   a.qsum.data() + r0 * C, n, o + r0 * n + b * kLanes, mask);
   });
   return out;
 }

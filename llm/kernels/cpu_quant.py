@@ -203,7 +203,7 @@ def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(blocks * LANES, steps * 4)[:n]
 
 
-def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (any shape, int64) of a packed int8 table: int8 (*ids.shape, K) (an embedding
     lookup that needs no second, unpacked copy of a tied table)."""
     steps = packed.shape[1]

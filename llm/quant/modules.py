@@ -90,7 +90,57 @@ def _our_kernel(device: torch.device, out_features: int, in_features: int, group
             and cpu_quant.available(device))
 
 
-class Int8Linear(nn.Module):
+class _Int8Codes(nn.Module):
+    """An int8 table ``weight`` of ``(rows, cols)`` codes, held packed for our CPU kernel when
+    ``packed`` (see :func:`llm.kernels.cpu_quant.pack_int8`), else as they are; the state dict
+    holds the codes (rows, cols) either way, and a move to another device packs them for it."""
+
+    packed: bool
+
+    def _shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        self.packed = _our_kernel(codes.device, *self._shape())
+        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.packed else aligned(codes))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Called after the codes or scales change (a load, a move, a cast)."""
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes, (rows, cols)."""
+        return cpu_quant.unpack_int8(self.weight, self._shape()[0]) if self.packed else self.weight
+
+    def _apply(self, fn, recurse=True):
+        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
+        codes = self.codes() if target is not None else None
+        super()._apply(fn, recurse)
+        if codes is not None:
+            self._set_codes(codes.to(target))
+        self._refresh()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        codes = state_dict.get(prefix + "weight")
+        if codes is not None and self.packed:
+            if codes.dtype != torch.int8 or tuple(codes.shape) != self._shape():
+                error_msgs.append(f"{prefix}weight: expected int8 codes {self._shape()}, "
+                                  f"got {codes.dtype} {tuple(codes.shape)}")
+                return
+            state_dict = dict(state_dict)
+            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._refresh()
+
+
+class Int8Linear(_Int8Codes):
     """``nn.Linear`` with an int8 weight, one float scale per output feature.
 
     On CPUs with AVX512-VNNI the product is :func:`llm.kernels.cpu_quant.int8_linear` (``kernel``
@@ -109,30 +159,28 @@ class Int8Linear(nn.Module):
         self.out_features = scales.shape[0]
         self.in_features = in_features if packed else weight.shape[1]
         self.activation_dtype = activation_dtype
-        self.kernel = "llm" if packed else "torch"
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
         if packed:
+            self.packed = True
             self.register_buffer("weight", weight)
-            self._refresh_kernel_scales()
+            self._refresh()
         else:
             self._set_codes(weight)
 
-    def _set_codes(self, codes: torch.Tensor) -> None:
-        self.kernel = "llm" if _our_kernel(codes.device, self.out_features, self.in_features) else "torch"
-        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.kernel == "llm"
-                             else aligned(codes))
-        self._refresh_kernel_scales()
+    def _shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
-    def codes(self) -> torch.Tensor:
-        """The int8 codes, (out_features, in_features)."""
-        return cpu_quant.unpack_int8(self.weight, self.out_features) if self.kernel == "llm" else self.weight
+    @property
+    def kernel(self) -> str:
+        """``"llm"`` (our CPU kernel) or ``"torch"``."""
+        return "llm" if self.packed else "torch"
 
-    def _refresh_kernel_scales(self) -> None:
+    def _refresh(self) -> None:
         # The scales as the kernel takes them, cast once rather than at every call: inside a
         # compiled graph the per-call cast is an unrealized pointwise node that inductor's
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
-        scales = cpu_quant.lane_scales(self.scales) if self.kernel == "llm" else self.scales.to(self._torch_dtype())
+        scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
         self.register_buffer("kernel_scales", scales, persistent=False)
 
     def _torch_dtype(self) -> torch.dtype:
@@ -142,33 +190,6 @@ class Int8Linear(nn.Module):
             return torch.float32
         return self.activation_dtype
 
-    def _apply(self, fn, recurse=True):
-        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
-        codes = self.codes() if target is not None else None
-        super()._apply(fn, recurse)
-        if codes is not None:
-            self._set_codes(codes.to(target))
-        self._refresh_kernel_scales()
-        return self
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.codes()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        codes = state_dict.get(prefix + "weight")
-        if codes is not None and self.kernel == "llm":
-            if codes.dtype != torch.int8 or tuple(codes.shape) != (self.out_features, self.in_features):
-                error_msgs.append(f"{prefix}weight: expected int8 codes {(self.out_features, self.in_features)}, "
-                                  f"got {codes.dtype} {tuple(codes.shape)}")
-                return
-            state_dict = dict(state_dict)
-            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        self._refresh_kernel_scales()
-
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype) -> "Int8Linear":
         """Quantize a float (out_features, in_features) weight per row; see :func:`int8_rows`."""
@@ -177,7 +198,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.kernel == "llm":
+        if self.packed:
             out = cpu_quant.int8_linear(flat, self.weight, self.kernel_scales, self.out_features)
         else:
             out = int8_matmul(flat.to(self.kernel_scales.dtype), self.weight, self.kernel_scales)
@@ -185,12 +206,12 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        activations = "int8 per 32" if self.kernel == "llm" else self._torch_dtype()
+        activations = "int8 per 32" if self.packed else self._torch_dtype()
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
                 f"activations={activations}")
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(_Int8Codes):
     """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry).
 
     Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
@@ -205,13 +226,8 @@ class Int8Embedding(nn.Module):
         self.register_buffer("scales", scales)
         self._set_codes(weight)
 
-    def _set_codes(self, codes: torch.Tensor) -> None:
-        self.packed = _our_kernel(codes.device, self.num_embeddings, self.embedding_dim)
-        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.packed else aligned(codes))
-
-    def codes(self) -> torch.Tensor:
-        """The int8 codes, (num_embeddings, embedding_dim)."""
-        return cpu_quant.unpack_int8(self.weight, self.num_embeddings) if self.packed else self.weight
+    def _shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Int8Embedding":
@@ -223,29 +239,8 @@ class Int8Embedding(nn.Module):
         return Int8Linear(self.weight, self.scales, None, activation_dtype, packed=self.packed,
                           in_features=self.embedding_dim)
 
-    def _apply(self, fn, recurse=True):
-        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
-        codes = self.codes() if target is not None else None
-        super()._apply(fn, recurse)
-        if codes is not None:
-            self._set_codes(codes.to(target))
-        return self
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.codes()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        codes = state_dict.get(prefix + "weight")
-        if codes is not None and self.packed:
-            state_dict = dict(state_dict)
-            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_quant.int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
+        rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
         return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 

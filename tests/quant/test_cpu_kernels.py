@@ -69,7 +69,7 @@ def test_int8_kernel_computes_its_stated_arithmetic(n, k):
     packed = cpu_quant.pack_int8(codes)
     assert torch.equal(cpu_quant.unpack_int8(packed, n), codes)
     ids = torch.randint(0, n, (3, 4), generator=g)
-    assert torch.equal(cpu_quant.int8_rows(packed, ids), codes[ids])
+    assert torch.equal(cpu_quant.gather_int8_rows(packed, ids), codes[ids])
     for rows in (1, 5, 17):
         x = torch.randn(rows, k, generator=g)
         out = cpu_quant.int8_linear(x, packed, cpu_quant.lane_scales(scales), n)
