@@ -267,10 +267,22 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const a
 
 bool cpu_supported() { return supported(); }
 
+// Distinct threads that one at::parallel_for of `tasks` tasks ran on: 1 when the extension was
+// built without OpenMP (at::parallel_for's pragma is then ignored and every kernel runs serially).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<int> seen(tasks, -1);
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) seen[i] = at::get_thread_num();
+  });
+  std::sort(seen.begin(), seen.end());
+  return std::unique(seen.begin(), seen.end()) - seen.begin();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(llm, m) {
   m.def("cpu_supported() -> bool", &cpu_supported);
+  m.def("parallel_threads(int tasks) -> int", &parallel_threads);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
 }

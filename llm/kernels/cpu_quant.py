@@ -79,8 +79,9 @@ def build(source: Path = _SOURCE) -> str | None:
             lock.unlink(missing_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3"], is_python_module=False,
-                               verbose=False)
+            # -fopenmp: without it at::parallel_for's pragma is ignored and the kernels run on one thread
+            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         # ninja's last lines only say that it stopped: keep the compiler's own last line
         detail = [line for line in str(err).strip().splitlines()

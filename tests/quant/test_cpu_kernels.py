@@ -90,6 +90,17 @@ def test_each_row_is_computed_alone(method):
     assert torch.equal(layer(x[3:12]), batch[3:12])
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+def test_the_kernels_run_on_torchs_threads():
+    # built without OpenMP, at::parallel_for runs every task on the calling thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.ops.llm.parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernels_raise_clear_errors_on_bad_layouts():
     codes = cpu_quant.pack_int8(torch.zeros(16, 64, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="in_features % 32 == 0"):
