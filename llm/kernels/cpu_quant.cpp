@@ -252,6 +252,189 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   return out;
 }
 
+// exp(x) for 16 floats, Cephes' expf (as ggml's and Eigen's vectorized exp): x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) from a degree-5 polynomial, times 2^n. About 1 ulp; NaN stays NaN.
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One query's heads of one kv head (grouped-query attention: G query heads read the same keys, so
+// each key and value row is loaded once for all of them), over keys j0 .. j1 - 1 of a cache
+// buffer, those that mask says to use; head_dim = 16 * DV. Per head g it leaves the largest score
+// top[g], the sum of exp(score - top[g]) total[g] and acc (G, D), the sum of those weights times
+// the values, for the split parts of the keys to be merged (flash-decoding). s: G * (j1 - j0) floats.
+template <int DV>
+void attend(const float* q, int64_t G, const float* k, const float* v, const bool* mask, const float* bias,
+            int64_t bias_stride, int64_t j0, int64_t j1, float scale, float* s, float* top, float* total,
+            float* acc) {
+  constexpr int64_t D = DV * kLanes;
+  const int64_t L = j1 - j0;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < G; ++g) top[g] = -inf;
+  bool any = false;
+  for (int64_t j = j0; j < j1; ++j) {
+    if (!mask[j]) {
+      for (int64_t g = 0; g < G; ++g) s[g * L + j - j0] = -inf;
+      continue;
+    }
+    any = true;
+    __m512 kr[DV];
+    for (int c = 0; c < DV; ++c) kr[c] = _mm512_loadu_ps(k + j * D + c * kLanes);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kr[0]);
+      for (int c = 1; c < DV; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + c * kLanes), kr[c], dot);
+      float score = _mm512_reduce_add_ps(dot) * scale;
+      if (bias) score += bias[g * bias_stride + j];
+      s[g * L + j - j0] = score;
+      if (!(score <= top[g])) top[g] = score;  // NaN wins, so that it reaches the output
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = s + g * L - j0;  // row[j] for j0 <= j < j1
+    __m512 acc0[DV], acc1[DV];
+    for (int c = 0; c < DV; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
+    total[g] = 0.f;
+    if (any) {
+      const __m512 topv = _mm512_set1_ps(top[g]), minus_inf = _mm512_set1_ps(-inf);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = j0; j < j1; j += kLanes) {
+        const __mmask16 tail = j1 - j >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+        const __m512 x = _mm512_mask_loadu_ps(minus_inf, tail, row + j);
+        // masked keys (-inf) weigh exactly 0; NaN is unordered, so it is kept
+        const __mmask16 real = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_UQ);
+        const __m512 p = _mm512_maskz_mov_ps(real, exp16(_mm512_sub_ps(x, topv)));
+        _mm512_mask_storeu_ps(row + j, tail, p);
+        sum = _mm512_add_ps(sum, p);
+      }
+      total[g] = _mm512_reduce_add_ps(sum);
+      // two keys at a time: two independent chains of additions per lane. A masked row is never
+      // read: a static buffer's unwritten rows may hold anything.
+      int64_t j = j0;
+      for (; j + 1 < j1; j += 2) {
+        if (mask[j]) {
+          const __m512 p = _mm512_set1_ps(row[j]);
+          for (int c = 0; c < DV; ++c) acc0[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * D + c * kLanes), acc0[c]);
+        }
+        if (mask[j + 1]) {
+          const __m512 p = _mm512_set1_ps(row[j + 1]);
+          for (int c = 0; c < DV; ++c)
+            acc1[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + (j + 1) * D + c * kLanes), acc1[c]);
+        }
+      }
+      if (j < j1 && mask[j]) {
+        const __m512 p = _mm512_set1_ps(row[j]);
+        for (int c = 0; c < DV; ++c) acc0[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + j * D + c * kLanes), acc0[c]);
+      }
+    }
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc + g * D + c * kLanes, _mm512_add_ps(acc0[c], acc1[c]));
+  }
+}
+
+// Attention of a few queries over a cache buffer, the keys each query may see given by a mask:
+// a decoding step over a static cache (gpt-fast's shape) without the two batched products,
+// the softmax and the masking as separate passes over the buffer. Keys that are masked out are
+// neither read nor weighted. Scores, softmax and sums are float32, as the torch path's. The keys
+// are split into parts when there are fewer (query, kv head) pairs than threads to keep busy
+// (flash-decoding: each part's softmax is merged by its largest score).
+at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                const at::Tensor& mask_in, double scale, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && k_in.sizes() == v_in.sizes(),
+              "q must be (batch, n_heads, seq_q, head_dim) and k, v (batch, kv_n_heads, seq_k, head_dim), got ",
+              q_in.sizes(), ", ", k_in.sizes(), ", ", v_in.sizes());
+  const int64_t B = q_in.size(0), H = q_in.size(1), S = q_in.size(2), D = q_in.size(3);
+  const int64_t KV = k_in.size(1), T = k_in.size(2);
+  TORCH_CHECK(k_in.size(0) == B && k_in.size(3) == D && KV > 0 && H % KV == 0 && D % kLanes == 0 && D > 0 &&
+                  D <= 8 * kLanes,
+              "k and v of shape ", k_in.sizes(), " do not fit q of shape ", q_in.sizes(),
+              " (same batch and head_dim, a multiple of 16 up to 128; n_heads a multiple of kv_n_heads)");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
+              "q, k and v must be float32");
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.dim() == 3 && mask_in.size(0) == B &&
+                  mask_in.size(1) == S && mask_in.size(2) == T,
+              "mask must be bool (batch, seq_q, seq_k) = (", B, ", ", S, ", ", T, "), got ", mask_in.sizes());
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(1) == H && bias.size(2) == S && bias.size(3) == T,
+                "bias must be (batch, n_heads, seq_q, seq_k), got ", bias.sizes());
+  }
+  // queries (batch, kv head, group, seq_q, head_dim) -> (batch, kv head, seq_q, group, head_dim)
+  const int64_t G = H / KV, pairs = B * KV * S;
+  const at::Tensor q = q_in.view({B, KV, G, S, D}).transpose(2, 3).contiguous();
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), mask = mask_in.contiguous();
+  at::Tensor out = at::empty({B, KV, S, G, D}, q.options());
+  if (out.numel() == 0 || T == 0) return out.zero_().transpose(2, 3).reshape({B, H, S, D});
+  // parts of at least 64 keys, enough for two tasks a thread
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(T / 64, (2 * at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t span = (T + parts - 1) / parts;
+  std::vector<float> top(pairs * parts * G), total(pairs * parts * G), acc(pairs * parts * G * D);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool* mp = mask.data_ptr<bool>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(G * span);
+    for (int64_t t = t0; t < t1; ++t) {  // t = ((b * KV + kv head) * S + query) * parts + part
+      const int64_t pair = t / parts, b = pair / (KV * S), h = (pair / S) % KV, i = pair % S;
+      const int64_t j0 = (t % parts) * span, j1 = std::min(T, j0 + span);
+      const float* kt = kp + (b * KV + h) * T * D;
+      const float* vt = vp + (b * KV + h) * T * D;
+      const bool* mt = mp + (b * S + i) * T;
+      // bias (b, h * G + g, i, :): heads of a group are S * T apart
+      const float* bt = bp ? bp + ((b * H + h * G) * S + i) * T : nullptr;
+      float *tp = top.data() + t * G, *sp = total.data() + t * G, *ap = acc.data() + t * G * D;
+      switch (D / kLanes) {
+#define LLM_ATTEND(DV) \
+  case DV: attend<DV>(qp + pair * G * D, G, kt, vt, mt, bt, S * T, j0, j1, fscale, s.data(), tp, sp, ap); break;
+        LLM_ATTEND(1) LLM_ATTEND(2) LLM_ATTEND(3) LLM_ATTEND(4) LLM_ATTEND(5) LLM_ATTEND(6) LLM_ATTEND(7) LLM_ATTEND(8)
+#undef LLM_ATTEND
+      }
+    }
+  });
+  float* op = out.data_ptr<float>();
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    for (int64_t g = 0; g < G; ++g) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) {
+        const float x = top[(pair * parts + p) * G + g];
+        if (!(x <= best)) best = x;
+      }
+      float weight_sum = 0.f;
+      float* o = op + (pair * G + g) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at_ = (pair * parts + p) * G + g;
+        if (total[at_] == 0.f) continue;  // no key in this part (and none NaN)
+        const float w = std::exp(top[at_] - best);
+        weight_sum += w * total[at_];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at_ * D + d];
+      }
+      // nothing to attend to: zeros, as the torch path's
+      if (weight_sum != 0.f) {
+        const float inv = 1.f / weight_sum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      } else if (best != best) {
+        std::fill(o, o + D, best);
+      }
+    }
+  }
+  return out.transpose(2, 3).reshape({B, H, S, D});
+}
+
 #pragma GCC pop_options
 #else
 at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&, const at::Tensor&,
@@ -262,6 +445,10 @@ at::Tensor int4_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const a
 at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor&, int64_t n) {
   check(x, codes, n, 0);
   return at::Tensor();
+}
+at::Tensor decode_attention_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "llm CPU kernels need AVX512-VNNI");
 }
 #endif
 
@@ -285,9 +472,11 @@ TORCH_LIBRARY(llm, m) {
   m.def("parallel_threads(int tasks) -> int", &parallel_threads);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int4_linear", &int4_linear_cpu);
   m.impl("int8_linear", &int8_linear_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
 }

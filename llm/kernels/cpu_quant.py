@@ -142,6 +142,10 @@ def _register_fakes() -> None:
     def _(x, codes, scales, n):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
+    @torch.library.register_fake("llm::decode_attention")
+    def _(q, k, v, mask, scale, bias):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
 
 def supports(out_features: int, in_features: int, group_size: int | None = None) -> str | None:
     """Why an (out_features, in_features) weight cannot take these kernels, or None if it can
@@ -220,3 +224,29 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
     return torch.ops.llm.int8_linear(x, packed, scales, n)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of a few queries over a cache buffer, in one pass per query and head.
+
+    Args:
+        query: (batch, n_heads, seq_q, head_dim) float32; head_dim a multiple of 16 up to 128.
+        key, value: (batch, kv_n_heads, seq_k, head_dim) float32 (query head h reads kv head
+            h // (n_heads / kv_n_heads), grouped-query attention).
+        mask: (batch, seq_q, seq_k) bool, True for the keys each query may see (a static cache's
+            causal and padding mask over its whole buffer).
+        scale: the scores' factor (1 / sqrt(head_dim) for the usual attention).
+        bias: (batch, n_heads, seq_q, seq_k) additive bias of the scores (ALiBi), or None.
+
+    Returns:
+        (batch, n_heads, seq_q, head_dim) float32: ``softmax(q k^T * scale + bias)`` over the
+        allowed keys, times v; zeros for a query that may see no key. Keys masked out are never
+        read. Equals :func:`llm.layers.attention.attention_heads`'s float32 path up to rounding
+        (its exp is Cephes' polynomial, about 1 ulp).
+
+    Raises:
+        RuntimeError: on shapes or dtypes other than these, or without the kernels (:func:`unavailable`).
+    """
+    return torch.ops.llm.decode_attention(query, key, value, mask, scale, bias)
+

@@ -15,7 +15,12 @@ from einops import rearrange
 from torch import nn
 
 from llm.config import MosaicGPTConfig
+from llm.kernels import cpu_quant
 from llm.layers.linear import Linear
+
+#: The most queries per row that take our CPU kernel over a static cache (decoding steps and
+#: short verification chunks; a prefill chunk's products are matrix products, torch's own).
+DECODE_ATTENTION_QUERIES = 8
 
 
 def _allowed_mask(
@@ -52,6 +57,7 @@ def attention_heads(
     dropout_p: float = 0.0,
     training: bool = False,
     impl: str = "torch",
+    decode_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention over head-split tensors; the core of :func:`scaled_multihead_dot_product_attention`.
 
@@ -70,6 +76,10 @@ def attention_heads(
             gpt-fast's ``mask`` argument.
         impl: ``"torch"`` (explicit matmul + fp32 softmax) or ``"sdpa"``
             (``torch.nn.functional.scaled_dot_product_attention``).
+        decode_kernel: up to :data:`DECODE_ATTENTION_QUERIES` float32 queries over an
+            ``attn_mask`` on a CPU (a static cache's decoding step) take
+            :func:`llm.kernels.cpu_quant.decode_attention` (head_dim a multiple of 16 up to 128; needs
+            our CPU kernels).
 
     Returns:
         (batch, n_heads, seq_q, head_dim), in the dtype of ``query``. A query with no key to
@@ -93,6 +103,15 @@ def attention_heads(
             seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
         )
     p = dropout_p if training else 0.0
+    if (attn_mask is not None and seq_q <= DECODE_ATTENTION_QUERIES and p == 0.0 and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 128
+            and decode_kernel):
+        # a decoding step over a static buffer: one pass per query and head, masked keys unread
+        bias = attn_bias.expand(batch, n_heads, seq_q, seq_k) if attn_bias is not None else None
+        out = cpu_quant.decode_attention(query, key, value, attn_mask.expand(batch, 1, seq_q, seq_k)[:, 0], scale, bias)
+        if query_padding_mask is not None:
+            out = out * query_padding_mask[:, None, :, None].to(out.dtype)
+        return out
     if impl == "sdpa" and attn_mask is not None and seq_q == 1 and query.device.type == "cpu":
         # One query per row over a masked static buffer (a batch decoding step): torch's CPU
         # flash kernel takes 5-10x longer with a mask than the two explicit products.
@@ -205,7 +224,9 @@ class MultiheadAttention(nn.Module):
     """Self-attention block layer: fused QKV projection, optional rotary positions, KV cache.
 
     Parameter names follow MPT: ``Wqkv`` (d_model -> (n_heads + 2 * kv_n_heads) * head_dim) and
-    ``out_proj``.
+    ``out_proj``. ``decode_kernel`` (True when the layer is made while our CPU kernels are on,
+    :func:`llm.kernels.cpu_quant.available`) sends a static cache's decoding steps to
+    :func:`llm.kernels.cpu_quant.decode_attention`.
     """
 
     def __init__(self, config: MosaicGPTConfig, layer_idx: int):
@@ -217,6 +238,8 @@ class MultiheadAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.attn_pdrop = config.attn_pdrop
         bias = not config.no_bias
+        # as our quantized layers: a model made while our CPU kernels are on decodes on them
+        self.decode_kernel = cpu_quant.available()
         self.Wqkv = Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
         self.out_proj = Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
 
@@ -253,6 +276,6 @@ class MultiheadAttention(nn.Module):
         out = attention_heads(
             q, k, v, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
             query_padding_mask=query_padding_mask, is_causal=True, attn_mask=attn_mask,
-            dropout_p=self.attn_pdrop, training=self.training, impl=self.attn_impl,
+            dropout_p=self.attn_pdrop, training=self.training, impl=self.attn_impl, decode_kernel=self.decode_kernel,
         )
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))

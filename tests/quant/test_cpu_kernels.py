@@ -16,6 +16,7 @@ from llm.formats import PRETRAINED
 from llm.formats.gguf.reader import load_gguf
 from llm.generation import compiled
 from llm.kernels import cpu_quant
+from llm.layers.attention import attention_heads
 from llm.quant import Int4Linear, Int8Embedding, Int8Linear, quantize
 from tests.conftest import tiny_model
 from tests.quant.test_quant import int8_activations
@@ -262,3 +263,54 @@ def test_the_environment_switch_and_the_override_select_torchs_kernels():
         layer = Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16)
     assert layer.kernel == "torch" and cpu_quant.available()
     assert Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel == "llm"
+
+
+@pytest.mark.parametrize("batch,n_heads,kv_n_heads,seq_q,seq_k,head_dim",
+                         [(1, 9, 3, 1, 256, 64), (2, 4, 4, 3, 37, 32), (3, 8, 2, 1, 17, 128), (1, 2, 1, 8, 300, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_attention_is_the_torch_paths_attention(batch, n_heads, kv_n_heads, seq_q, seq_k, head_dim, bias):
+    g = torch.Generator().manual_seed(seq_k)
+    q = torch.randn(batch, n_heads, seq_q, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_n_heads, seq_k, head_dim, generator=g) for _ in range(2))
+    mask = torch.rand(batch, seq_q, seq_k, generator=g) < 0.6
+    mask[-1, 0] = False  # a query that sees no key: zeros
+    alibi = torch.randn(batch, n_heads, seq_q, seq_k, generator=g) if bias else None
+    with cpu_quant.disabled():
+        reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=alibi, impl="torch")
+    k[~mask.any(1)[:, None].expand_as(k[..., 0])] = float("nan")  # keys no query sees are never read
+    out = cpu_quant.decode_attention(q, k, v, mask, head_dim ** -0.5, alibi)
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+    assert torch.equal(out[-1, :, 0], torch.zeros_like(out[-1, :, 0]))
+    q[0, 1, 0, 3] = float("nan")
+    assert torch.isnan(cpu_quant.decode_attention(q, k, v, mask, 0.1, alibi)[0, 1, 0]).all() or not mask[0, 0].any()
+    with pytest.raises(RuntimeError, match=r"mask must be bool \(batch, seq_q, seq_k\)"):
+        cpu_quant.decode_attention(q, k, v, mask[:, :, :-1], 0.1, None)
+    with pytest.raises(RuntimeError, match="a multiple of 16"):
+        cpu_quant.decode_attention(q[..., :8], k[..., :8], v[..., :8], mask, 0.1, None)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheme", ["alibi", "llama"])
+def test_static_cache_steps_take_the_attention_kernel(scheme, monkeypatch):
+    model = tiny_model(scheme, d_model=64)  # head_dim 16
+    ids = torch.randint(0, 61, (2, 9))
+    mask = torch.ones(2, 9 + 6, dtype=torch.bool)
+    mask[1, :3] = False
+    sequences = torch.cat([ids, torch.randint(0, 61, (2, 6))], dim=1)
+    reference = model(sequences, attention_mask=mask).logits
+    calls = []
+    kernel = cpu_quant.decode_attention
+    monkeypatch.setattr(cpu_quant, "decode_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    decoder = compiled.StaticDecoder(model, mask, sequences.shape[1], None, compile=False)
+    decoder.prefill(ids, mask, torch.full((2,), 8))
+    assert not calls  # a prefill chunk's products stay torch's
+    for step in range(9, sequences.shape[1]):
+        logits = decoder.forward(sequences[:, step:step + 1])
+        torch.testing.assert_close(logits[:, 0], reference[:, step], atol=1e-5, rtol=1e-5)
+    assert calls == [(2, 4, 1, 16)] * (6 * model.config.n_layers)
+    with cpu_quant.disabled():  # a model made with the kernels off keeps torch's attention
+        model = tiny_model(scheme, d_model=64)
+    decoder = compiled.StaticDecoder(model, mask, sequences.shape[1], None, compile=False)
+    decoder.prefill(ids, mask, torch.full((2,), 8))
+    decoder.forward(sequences[:, 9:10])
+    assert len(calls) == 6 * model.config.n_layers
