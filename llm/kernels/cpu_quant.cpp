@@ -36,6 +36,10 @@ namespace {
 constexpr int64_t kLanes = 16;  // output rows per block: one zmm of int32 or float
 constexpr int64_t kTile = 8;    // tokens per pass over a block's weights
 constexpr int64_t kGroup = 32;  // inputs per activation scale
+// Weight bytes prefetched ahead of use: without it SmolLM2's 150 int4 projections of one token took
+// 4.1 ms on one thread instead of 3.1 (each thread's stretch of blocks is short: the hardware
+// prefetcher ramps up too late).
+constexpr int64_t kAheadBytes = 8192;
 
 bool supported() {
 #ifdef LLM_X86
@@ -119,7 +123,11 @@ void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t 
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kLanes)));
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kLanes)));
     const __m512 dv16 = _mm512_mul_ps(dv, sixteenth);
+    // scales and mins as far ahead as the codes: 2 bytes a row per group against G / 2
+    _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T0);
     for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 256 + kAheadBytes + j * 64), _MM_HINT_T0);
       __m512i lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(w + (c * 4 + j) * 64);
@@ -153,6 +161,7 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
     __m512i wv[8];
+    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T0);
     for (int j = 0; j < 8; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w + (c * 8 + j) * 64), flip);
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xq + r * K + c * kGroup;
