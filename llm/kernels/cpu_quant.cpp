@@ -262,8 +262,10 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
 }
 
 // exp(x) for 16 floats, Cephes' expf (as ggml's and Eigen's vectorized exp): x = n ln2 + r with
-// |r| <= ln2 / 2, exp(r) from a degree-5 polynomial, times 2^n. About 1 ulp; NaN stays NaN.
+// |r| <= ln2 / 2, exp(r) from a degree-5 polynomial, times 2^n. About 1 ulp; NaN stays NaN; x
+// below -104 (exp underflows to 0) is clamped there, since n ln2 would no longer cancel x.
 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);  // the second operand is returned for NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

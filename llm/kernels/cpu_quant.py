@@ -215,14 +215,24 @@ def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return packed[ids // LANES, :, ids % LANES].reshape(*ids.shape, steps * 4)
 
 
+def _require() -> None:
+    """Build and load the kernels before a direct call (a traced call finds them loaded)."""
+    if not torch.compiler.is_compiling():
+        why = unavailable()
+        if why is not None:
+            raise RuntimeError(f"llm's CPU kernels cannot run here: {why}")
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                 n: int) -> torch.Tensor:
     """``x @ w.T`` for a packed int4 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    _require()
     return torch.ops.llm.int4_linear(x, packed, scales, mins, group_size, n)
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
     """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    _require()
     return torch.ops.llm.int8_linear(x, packed, scales, n)
 
 
@@ -241,12 +251,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     Returns:
         (batch, n_heads, seq_q, head_dim) float32: ``softmax(q k^T * scale + bias)`` over the
-        allowed keys, times v; zeros for a query that may see no key. Keys masked out are never
-        read. Equals :func:`llm.layers.attention.attention_heads`'s float32 path up to rounding
-        (its exp is Cephes' polynomial, about 1 ulp).
+        allowed keys, times v; zeros for a query that may see no key (or whose scores are all
+        -inf). Keys masked out are never read. Equals :func:`llm.layers.attention.attention_heads`'s
+        float32 path up to rounding (its exp is Cephes' polynomial, about 1 ulp) for finite
+        biases. No gradient: inference only.
 
     Raises:
         RuntimeError: on shapes or dtypes other than these, or without the kernels (:func:`unavailable`).
     """
+    _require()
     return torch.ops.llm.decode_attention(query, key, value, mask, scale, bias)
 

@@ -79,7 +79,7 @@ def attention_heads(
         decode_kernel: up to :data:`DECODE_ATTENTION_QUERIES` float32 queries over an
             ``attn_mask`` on a CPU (a static cache's decoding step) take
             :func:`llm.kernels.cpu_quant.decode_attention` (head_dim a multiple of 16 up to 128; needs
-            our CPU kernels).
+            our CPU kernels; not when a gradient is wanted).
 
     Returns:
         (batch, n_heads, seq_q, head_dim), in the dtype of ``query``. A query with no key to
@@ -105,7 +105,7 @@ def attention_heads(
     p = dropout_p if training else 0.0
     if (attn_mask is not None and seq_q <= DECODE_ATTENTION_QUERIES and p == 0.0 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 128
-            and decode_kernel):
+            and decode_kernel and not (query.requires_grad or key.requires_grad or value.requires_grad)):
         # a decoding step over a static buffer: one pass per query and head, masked keys unread
         bias = attn_bias.expand(batch, n_heads, seq_q, seq_k) if attn_bias is not None else None
         out = cpu_quant.decode_attention(query, key, value, attn_mask.expand(batch, 1, seq_q, seq_k)[:, 0], scale, bias)

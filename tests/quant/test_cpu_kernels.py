@@ -289,6 +289,36 @@ def test_decode_attention_is_the_torch_paths_attention(batch, n_heads, kv_n_head
         cpu_quant.decode_attention(q[..., :8], k[..., :8], v[..., :8], mask, 0.1, None)
 
 
+def test_decode_attention_extremes_and_gradients():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    k, v = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(2))
+    mask = torch.ones(1, 1, 16, dtype=torch.bool)
+    bias = torch.zeros(1, 2, 1, 16)
+    bias[..., :5] = -1e30  # "-1e30 as a mask": once NaN (exp of a score 1e30 below the top)
+    for b, scale in ((bias, 0.25), (None, 1e20), (None, 1e-30)):
+        with cpu_quant.disabled():
+            reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=b, softmax_scale=scale)
+        torch.testing.assert_close(cpu_quant.decode_attention(q, k, v, mask, scale, b), reference)
+    # a gradient is wanted: the torch path, which has one
+    q.requires_grad_()
+    out = attention_heads(q, k, v, attn_mask=mask[:, None], decode_kernel=True)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+def test_a_direct_first_call_builds_the_kernels_or_says_why(tmp_path):
+    script = ("import torch; from llm.kernels import cpu_quant\n"
+              "q = torch.randn(1, 1, 1, 16)\n"
+              "try: print(tuple(cpu_quant.decode_attention(q, q, q, torch.ones(1, 1, 1, dtype=torch.bool), 1.0).shape))\n"
+              "except RuntimeError as err: print(err)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.strip() == "(1, 1, 1, 16)", out.stderr
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX="/nonexistent/g++")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert "llm's CPU kernels cannot run here: building cpu_quant.cpp failed" in out.stdout, out.stdout + out.stderr
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["alibi", "llama"])
 def test_static_cache_steps_take_the_attention_kernel(scheme, monkeypatch):
