@@ -177,8 +177,8 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
   for (int r = 0; r < R; ++r) store(out + r * ldo, _mm512_mul_ps(acc[r], sv), mask);
 }
 
-__mmask16 block_mask(int64_t b, int64_t n) {
-  const int64_t left = n - b * kLanes;
+// The first min(left, 16) lanes.
+__mmask16 lanes_mask(int64_t left) {
   return left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
@@ -191,7 +191,7 @@ template <typename F>
 void for_each_tile(int64_t blocks, int64_t M, int64_t n, F&& f) {
   at::parallel_for(0, blocks, grain(blocks), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const __mmask16 mask = block_mask(b, n);
+      const __mmask16 mask = lanes_mask(n - b * kLanes);
       for (int64_t r0 = 0; r0 < M; r0 += kTile) {
         switch (std::min(kTile, M - r0)) {
           case 1: f(b, r0, std::integral_constant<int, 1>(), mask); break;
@@ -320,7 +320,7 @@ void attend(const float* q, int64_t G, const float* k, const float* v, const boo
       const __m512 topv = _mm512_set1_ps(top[g]), minus_inf = _mm512_set1_ps(-inf);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = j0; j < j1; j += kLanes) {
-        const __mmask16 tail = j1 - j >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+        const __mmask16 tail = lanes_mask(j1 - j);
         const __m512 x = _mm512_mask_loadu_ps(minus_inf, tail, row + j);
         // masked keys (-inf) weigh exactly 0; NaN is unordered, so it is kept
         const __mmask16 real = _mm512_cmp_ps_mask(x, minus_inf, _CMP_NEQ_UQ);
@@ -434,12 +434,10 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
         weight_sum += w * total[at_];
         for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at_ * D + d];
       }
-      // nothing to attend to: zeros, as the torch path's
+      // nothing to attend to: zeros, as the torch path's (a NaN score makes weight_sum NaN)
       if (weight_sum != 0.f) {
         const float inv = 1.f / weight_sum;
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      } else if (best != best) {
-        std::fill(o, o + D, best);
       }
     }
   }
