@@ -70,6 +70,33 @@ def test_metrics_see_logits_and_shifted_targets(composer_model, batch):
     assert composer_model.eval_forward(batch, outputs) is outputs
 
 
+def test_the_training_metric_reuses_the_loss_of_the_same_logits(composer_model, batch):
+    """After loss(), the metric of those logits takes their loss (no second log-softmax) and
+    equals what the metric computes from the logits; other logits, padded targets included,
+    are computed from the logits."""
+    batch = {**batch, "labels": batch["labels"].clone()}
+    batch["labels"][1, :6] = -100
+    outputs = composer_model(batch)
+    reused, computed = (composer_model.get_metrics(is_train=True)["LanguageCrossEntropy"].clone() for _ in range(2))
+    composer_model.loss(outputs, batch)
+    calls = []
+    update = reused.update
+    reused.update = lambda *args, **kwargs: calls.append(kwargs) or update(*args, **kwargs)
+    composer_model.update_metric(batch, outputs, reused)
+    assert list(calls[0]) == ["scored"]  # the loss was taken, not recomputed
+    computed.update(outputs.float(), shift_labels(batch["labels"]))
+    assert reused.total_items == computed.total_items
+    torch.testing.assert_close(reused.sum_loss, computed.sum_loss)
+    torch.testing.assert_close(reused.compute(), computed.compute())
+    composer_model.update_metric(batch, outputs.detach().clone(), reused)
+    assert calls[1] == {}  # logits that loss() did not score are computed from
+    nothing = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    empty = composer_model.get_metrics(is_train=True)["LanguageCrossEntropy"].clone()
+    composer_model.loss(outputs, nothing)
+    composer_model.update_metric(nothing, outputs, empty)
+    assert empty.total_items == 0 and empty.sum_loss == 0  # no NaN from a batch with no target
+
+
 def test_forward_passes_the_attention_mask(composer_model, batch):
     mask = torch.ones_like(batch["input_ids"])
     mask[2, :4] = 0  # left padding

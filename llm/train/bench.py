@@ -1,9 +1,9 @@
 """Training tokens/s on this machine: a plain PyTorch loop against ours through Composer.
 
-Four rows, one process, the same model (a config's ``model`` section), batch, microbatches and
+Five rows, one process, the same model (a config's ``model`` section), batch, microbatches and
 data (the config's prepared training shards): a nanoGPT-style loop (torch's AdamW, fp32, no
-Composer), and :func:`~llm.train.trainer.train`'s Composer run in fp32, in bf16 autocast and in
-bf16 compiled. Each row trains ``--batches`` batches after ``--warmup`` untimed ones, in
+Composer), and :func:`~llm.train.trainer.train`'s Composer run in fp32 and in bf16 autocast, each
+eager and compiled. Each row trains ``--batches`` batches after ``--warmup`` untimed ones, in
 ``--repeats`` rounds (the rows taking turns), and reports its median tokens/s, MFU against the
 measured matmul peak of its dtype, and its ratio to ours in fp32.
 """
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = {"fp32": measure_peak_flops(torch.float32, seconds=2), "bf16": measure_peak_flops(torch.bfloat16, seconds=2)}
     runs = (("plain PyTorch loop (nanoGPT-style, torch AdamW), fp32", lambda: _plain_row(cfg, args.batches, args.warmup), "fp32"),
             ("ours through Composer, fp32", lambda: _composer_row(cfg, "fp32", None, args.batches, args.warmup), "fp32"),
+            ("ours, fp32 compiled", lambda: _composer_row(cfg, "fp32", {}, args.batches, args.warmup), "fp32"),
             ("ours, bf16 autocast", lambda: _composer_row(cfg, "amp_bf16", None, args.batches, args.warmup), "bf16"),
             ("ours, bf16 compiled", lambda: _composer_row(cfg, "amp_bf16", {}, args.batches, args.warmup), "bf16"))
     # The rows take turns, --repeats rounds, and each reports its median: a slow spell of a shared

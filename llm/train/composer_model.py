@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -15,6 +16,29 @@ from llm.model import MosaicGPT
 from llm.train.speed import flops_per_batch
 
 IGNORE_INDEX = -100
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in nats of (batch, seq, vocab_size) logits against (batch, seq) int64
+    targets, over those that are not -100; float32 even under autocast (a bf16 log-softmax over
+    the vocabulary loses precision). NaN if every target is -100."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class TrainingCrossEntropy(LanguageCrossEntropy):
+    """Composer's ``LanguageCrossEntropy`` (nats per scored token) that can also be updated from
+    a loss already computed over logits: ``update(mean_loss, scored=n)`` adds ``mean_loss * n``
+    over ``n`` scored tokens (a 0-dim float tensor and a 0-dim integer tensor), which is what
+    ``update(logits, targets)`` would add without a second log-softmax over the vocabulary;
+    ``update(logits, targets)`` works as in Composer."""
+
+    def update(self, output: torch.Tensor, target: torch.Tensor | None = None, *,
+               scored: torch.Tensor | None = None) -> None:
+        if scored is None:
+            super().update(output, target)
+            return
+        self.sum_loss += torch.where(scored > 0, output * scored, torch.zeros_like(output))
+        self.total_items += scored
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -61,9 +85,14 @@ class ComposerMosaicGPT(ComposerModel):
             )
         # bfloat16 autocast of the forward on a CPU, where Composer has none (set by the trainer)
         self.autocast_dtype: torch.dtype | None = None
+        # the loss, compiled with the forward when the run compiles (see compile_loss)
+        self._loss_fn = next_token_loss
+        # (a weak reference to the logits, their mean loss, scored tokens) of the last loss, for
+        # the training metric; weak, so that the model holds no activations and deep-copies
+        self._last_loss: tuple[weakref.ref, torch.Tensor, torch.Tensor] | None = None
         # Plain dicts, not ModuleDicts: Composer deep-copies the metrics it uses, and metric
         # state must not end up in the model's state_dict.
-        self.train_metrics = {"LanguageCrossEntropy": LanguageCrossEntropy(ignore_index=IGNORE_INDEX)}
+        self.train_metrics = {"LanguageCrossEntropy": TrainingCrossEntropy(ignore_index=IGNORE_INDEX)}
         self.eval_metrics = {
             "LanguageCrossEntropy": LanguageCrossEntropy(ignore_index=IGNORE_INDEX),
             "LanguagePerplexity": LanguagePerplexity(ignore_index=IGNORE_INDEX),
@@ -104,10 +133,18 @@ class ComposerMosaicGPT(ComposerModel):
             A scalar tensor; NaN if every target is -100 (nothing to average over).
         """
         targets = shift_labels(batch["labels"])
-        # In float32 even under autocast: a bf16 log-softmax over the vocabulary loses precision.
-        return F.cross_entropy(
-            outputs.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX
-        )
+        loss = self._loss_fn(outputs, targets)
+        self._last_loss = (weakref.ref(outputs), loss.detach().clone(), (targets != IGNORE_INDEX).sum())
+        return loss
+
+    def compile_loss(self, compile_config: Mapping[str, Any]) -> None:
+        """Compile :func:`next_token_loss` with ``torch.compile(**compile_config)``.
+
+        Composer's ``compile_config`` compiles the forward only, which leaves the loss's cast,
+        float32 log-softmax over the vocabulary and their backward as separate eager passes over
+        the logits; compiled, they fuse (the README's Training speed gives the figures).
+        """
+        self._loss_fn = torch.compile(next_token_loss, **compile_config)
 
     def eval_forward(self, batch: Mapping[str, Any], outputs: Any | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab_size) for evaluation; reuses ``outputs`` when Composer has them."""
@@ -115,6 +152,12 @@ class ComposerMosaicGPT(ComposerModel):
 
     def update_metric(self, batch: Mapping[str, Any], outputs: torch.Tensor, metric: Metric) -> None:
         """Update ``metric`` with the logits (batch, seq, vocab_size), in float32, and the shifted targets."""
+        last = self._last_loss
+        if last is not None and last[0]() is outputs and isinstance(metric, TrainingCrossEntropy):
+            # logits that loss() has just scored (a training microbatch): no second log-softmax
+            _, loss, scored = last
+            metric.update(loss, scored=scored)
+            return
         # bf16 logits (autocast) would make the metric's log-softmax and its sum over the batch's
         # tokens bf16 too: eval cross-entropy came out rounded to ~1e-2 nats.
         metric.update(outputs.float(), shift_labels(batch["labels"]))

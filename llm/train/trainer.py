@@ -182,6 +182,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     # Seed before building the model so its initial weights depend on the seed alone.
     reproducibility.seed_all(cfg["seed"])
     model = build_model(cfg, data.tokenizer)
+    if cfg["compile_config"] is not None:
+        model.compile_loss(cfg["compile_config"])
     max_seq_len = model.config.max_seq_len
     train_loader = build_train_loader(cfg["train_loader"], data.train, data.tokenizer, max_seq_len,
                                       device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llm import scaled_multihead_dot_product_attention as attention
+from llm.layers.attention import COMPILED_MATH_MAX_SEQ
 
 
 def reference(q, k, v, n_heads, kv_heads, key_mask, causal, bias=None):
@@ -100,3 +101,31 @@ def test_implementations_agree_and_unknown_impl_is_refused():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="impl"):
         attention(q, k, v, 3, impl="flash")
+
+
+@pytest.mark.parametrize("seq,takes_sdpa", [(6, False), (COMPILED_MATH_MAX_SEQ, False), (COMPILED_MATH_MAX_SEQ + 1, True)])
+def test_compiled_cpu_training_attention_takes_the_products_up_to_its_length(seq, takes_sdpa):
+    """Under torch.compile on a CPU, impl="sdpa" computes a short square causal attention as
+    explicit products (which inductor fuses) and a longer one with torch's flash kernel; either
+    way the values and gradients are the reference's."""
+    torch.manual_seed(2)
+    h, d = 2, 8
+    q, k, v = (torch.randn(1, seq, h * d, requires_grad=True) for _ in range(3))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes})
+        return gm
+
+    fn = torch.compile(lambda q, k, v: attention(q, k, v, h, impl="sdpa"), backend=record, fullgraph=True)
+    out = fn(q, k, v)
+    out.square().sum().backward()
+    sdpa_calls = [t for t in set().union(*graphs) if "scaled_dot_product_attention" in t]
+    assert bool(sdpa_calls) == takes_sdpa, sdpa_calls
+    grads = [t.grad.clone() for t in (q, k, v)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = attention(q64, k64, v64, h, impl="torch")
+    expected.square().sum().backward()
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, (q64.grad, k64.grad, v64.grad)):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)

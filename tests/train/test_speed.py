@@ -111,6 +111,31 @@ def test_bf16_resumes_exactly_and_compile_config_compiles_the_step(tiny_data, tm
     assert batches == 2 and tokens_per_s > 0 and 0 < mfu < 1  # the compiled run trained and was measured
 
 
+def test_a_compiled_run_compiles_the_loss_and_it_equals_the_eager_loss():
+    """compile_config compiles the loss too (Composer compiles only the forward): the same
+    value and gradient of the logits as the eager loss, ignored targets included."""
+    torch.manual_seed(0)
+    model = ComposerMosaicGPT(MosaicGPTConfig(vocab_size=64, max_seq_len=16, d_model=32, n_heads=2, n_layers=1))
+    labels = torch.randint(0, 64, (2, 16))
+    labels[1, :5] = -100
+    batch = {"input_ids": labels.clamp_min(0), "labels": labels}
+    logits = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    eager = model.loss(logits, batch)
+    (eager_grad,) = torch.autograd.grad(eager, logits)
+    compiled_graphs = []
+
+    def record(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm
+
+    model.compile_loss({"backend": record, "fullgraph": True})
+    loss = model.loss(logits, batch)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert len(compiled_graphs) == 1
+    assert loss.dtype == torch.float32 and torch.allclose(loss, eager, rtol=1e-6)
+    torch.testing.assert_close(grad, eager_grad)
+
+
 def test_bad_speed_options_are_refused_by_name(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="compile_config.mdoe"):
         resolve_config(tiny_config(tiny_data, tmp_path / "run", compile_config={"mdoe": "default"}))
