@@ -151,7 +151,8 @@ class ComposerMosaicGPT(ComposerModel):
         return outputs if outputs is not None else self.forward(batch)
 
     def update_metric(self, batch: Mapping[str, Any], outputs: torch.Tensor, metric: Metric) -> None:
-        """Update ``metric`` with the logits (batch, seq, vocab_size), in float32, and the shifted targets."""
+        """Update ``metric`` with the logits (batch, seq, vocab_size), in float32, and the shifted
+        targets; the training metric of logits that :meth:`loss` has just scored takes that loss."""
         last = self._last_loss
         if last is not None and last[0]() is outputs and isinstance(metric, TrainingCrossEntropy):
             # logits that loss() has just scored (a training microbatch): no second log-softmax
