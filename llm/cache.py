@@ -87,6 +87,18 @@ class Cache:
         self._lengths[layer_idx] = end
         return keys.narrow(2, 0, end), values.narrow(2, 0, end)
 
+    def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole key and value storage, each (batch, kv_n_heads, capacity, head_dim),
+        for a kernel that writes new keys at ``cache_position`` itself, as :meth:`update` does
+        (:func:`llm.kernels.cpu_quant.decoder_block`).
+
+        Raises:
+            ValueError: if the layer's storage is not allocated.
+        """
+        if layer_idx >= len(self._keys):
+            raise ValueError(f"layer {layer_idx} has no storage: the cache holds {len(self._keys)} layers")
+        return self._keys[layer_idx], self._values[layer_idx]
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions (of ``layer_idx``; all layers agree between forwards)."""
         return self._lengths[layer_idx] if layer_idx < len(self._lengths) else 0

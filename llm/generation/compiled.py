@@ -97,7 +97,10 @@ def compiled_step(fn, compile: bool):
         return fn
     _cache_dir()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
-    compiled = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    # Inductor's checks of every input's size and stride at every call: the guards of the first
+    # call (below) have checked them, and later calls pass the same tensors.
+    options = {"size_asserts": False} if COMPILE_BACKEND == "inductor" else None
+    compiled = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False, options=options)
     checked = False
 
     def run(*args):
@@ -106,7 +109,12 @@ def compiled_step(fn, compile: bool):
         if _failure is None:
             try:
                 if not checked:
-                    out = compiled(*args)
+                    # The model's weights as attributes of the graph rather than inputs: dynamo
+                    # then guards the modules (their identity and attributes) instead of every
+                    # weight tensor, which cost a decoding step of SmolLM2 about 2 ms in guards
+                    # and input checks (tracing happens only here: later calls skip the guards).
+                    with torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
+                        out = compiled(*args)
                     checked = True
                     return out
                 # Later calls of one wrapper pass the same model, cache and shapes, so the graph

@@ -38,7 +38,9 @@ constexpr int64_t kTile = 8;    // tokens per pass over a block's weights
 constexpr int64_t kGroup = 32;  // inputs per activation scale
 // Weight bytes prefetched ahead of use: without it SmolLM2's 150 int4 projections of one token took
 // 4.1 ms on one thread instead of 3.1 (each thread's stretch of blocks is short: the hardware
-// prefetcher ramps up too late).
+// prefetcher ramps up too late). Into L2 (T1), which can have more lines in flight than L1: the 30
+// fused blocks of SmolLM2 took 3.4-4.0 ms a token against 3.9-5.7 with T0 (AMD EPYC, Zen 4;
+// alternating builds, a noisy day).
 constexpr int64_t kAheadBytes = 8192;
 
 bool supported() {
@@ -124,10 +126,10 @@ void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t 
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + g * kLanes)));
     const __m512 dv16 = _mm512_mul_ps(dv, sixteenth);
     // scales and mins as far ahead as the codes: 2 bytes a row per group against G / 2
-    _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(m + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T1);
     for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
-      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 256 + kAheadBytes + j * 64), _MM_HINT_T0);
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 256 + kAheadBytes + j * 64), _MM_HINT_T1);
       __m512i lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(w + (c * 4 + j) * 64);
@@ -161,7 +163,7 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
     __m512i wv[8];
-    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T0);
+    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T1);
     for (int j = 0; j < 8; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w + (c * 8 + j) * 64), flip);
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xq + r * K + c * kGroup;
@@ -185,26 +187,50 @@ __mmask16 lanes_mask(int64_t left) {
 // Blocks per task: enough work per thread wake-up, and at least two tasks when there are threads.
 int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16, blocks / (2 * at::get_num_threads()))); }
 
-// Calls f(block, first token, std::integral_constant<int, R>, mask of the block's real rows) for
-// every block of 16 output rows (split over torch's threads) and tile of at most kTile tokens.
-template <typename F>
-void for_each_tile(int64_t blocks, int64_t M, int64_t n, F&& f) {
-  at::parallel_for(0, blocks, grain(blocks), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __mmask16 mask = lanes_mask(n - b * kLanes);
-      for (int64_t r0 = 0; r0 < M; r0 += kTile) {
-        switch (std::min(kTile, M - r0)) {
-          case 1: f(b, r0, std::integral_constant<int, 1>(), mask); break;
-          case 2: f(b, r0, std::integral_constant<int, 2>(), mask); break;
-          case 3: f(b, r0, std::integral_constant<int, 3>(), mask); break;
-          case 4: f(b, r0, std::integral_constant<int, 4>(), mask); break;
-          case 5: f(b, r0, std::integral_constant<int, 5>(), mask); break;
-          case 6: f(b, r0, std::integral_constant<int, 6>(), mask); break;
-          case 7: f(b, r0, std::integral_constant<int, 7>(), mask); break;
-          default: f(b, r0, std::integral_constant<int, 8>(), mask); break;
-        }
-      }
+// A packed int4 or int8 weight (the layouts of the file's header) and its shape.
+struct QWeight {
+  bool int4 = true;
+  const uint8_t* codes = nullptr;  // int8 codes are read as int8_t
+  const at::Half* scales = nullptr;  // int4: (blocks, K / G, 16)
+  const at::Half* mins = nullptr;
+  const float* lane_scales = nullptr;  // int8: (blocks * 16,)
+  int64_t n = 0, k = 0, group = 0, blocks = 0;
+};
+
+// Block b of 16 output rows for the M tokens of a (quantized with w.group's sums), into out (row
+// r at out + r * ldo, the block's first column at out), in tiles of at most kTile tokens.
+void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float* out, int64_t ldo) {
+  const __mmask16 mask = lanes_mask(w.n - b * kLanes);
+  const int64_t K = w.k, C = K / kGroup, KG = K / w.group;
+  for (int64_t r0 = 0; r0 < M; r0 += kTile) {
+    auto run = [&](auto R) {
+      constexpr int kR = decltype(R)::value;
+      if (w.int4)
+        int4_block<kR>(w.codes + b * K * 8, w.scales + b * KG * kLanes, w.mins + b * KG * kLanes, K, w.group,
+                       a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, ldo, out + r0 * ldo, mask);
+      else
+        int8_block<kR>(reinterpret_cast<const int8_t*>(w.codes) + b * K * kLanes, w.lane_scales + b * kLanes, K,
+                       a.q.data() + r0 * K, a.d.data() + r0 * C, a.qsum.data() + r0 * C, ldo, out + r0 * ldo, mask);
+    };
+    switch (std::min(kTile, M - r0)) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      case 6: run(std::integral_constant<int, 6>()); break;
+      case 7: run(std::integral_constant<int, 7>()); break;
+      default: run(std::integral_constant<int, 8>()); break;
     }
+  }
+}
+
+// x (M, K) @ w.T -> out (M, n), the blocks split over torch's threads.
+void project(const QWeight& w, const float* x, int64_t M, float* out) {
+  Acts a;
+  quantize_acts(x, M, w.k, w.int4 ? w.group : w.k, a);
+  at::parallel_for(0, w.blocks, grain(w.blocks), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) project_block(w, a, M, b, out + b * kLanes, w.n);
   });
 }
 
@@ -224,18 +250,12 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
               group_size, ", got ", scales.sizes(), " and ", mins.sizes());
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  Acts a;
-  quantize_acts(x.data_ptr<float>(), M, K, group_size, a);
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const at::Half* dp = scales.data_ptr<at::Half>();
-  const at::Half* mp = mins.data_ptr<at::Half>();
-  float* o = out.data_ptr<float>();
-  const int64_t C = K / kGroup, NB = codes.size(0);
-  for_each_tile(NB, M, n, [&](int64_t b, int64_t r0, auto R, __mmask16 mask) {
-    int4_block<decltype(R)::value>(w + b * K * 8, dp + b * KG * kLanes, mp + b * KG * kLanes, K, group_size,
-                                   a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, n,
-                                   o + r0 * n + b * kLanes, mask);
-  });
+  QWeight w;
+  w.codes = codes.data_ptr<uint8_t>();
+  w.scales = scales.data_ptr<at::Half>();
+  w.mins = mins.data_ptr<at::Half>();
+  w.n = n, w.k = K, w.group = group_size, w.blocks = codes.size(0);
+  project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
   return out;
 }
 
@@ -248,16 +268,12 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
               "scales must be contiguous float32 (blocks * 16,)");
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  Acts a;
-  quantize_acts(x.data_ptr<float>(), M, K, K, a);
-  const int8_t* w = codes.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t C = K / kGroup, NB = codes.size(0);
-  for_each_tile(NB, M, n, [&](int64_t b, int64_t r0, auto R, __mmask16 mask) {
-    int8_block<decltype(R)::value>(w + b * K * kLanes, sp + b * kLanes, K, a.q.data() + r0 * K, a.d.data() + r0 * C,
-                                   a.qsum.data() + r0 * C, n, o + r0 * n + b * kLanes, mask);
-  });
+  QWeight w;
+  w.int4 = false;
+  w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>());
+  w.lane_scales = scales.data_ptr<float>();
+  w.n = n, w.k = K, w.group = K, w.blocks = codes.size(0);
+  project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
   return out;
 }
 
@@ -357,7 +373,77 @@ void attend(const float* q, int64_t G, const float* k, const float* v, const boo
 // the softmax and the masking as separate passes over the buffer. Keys that are masked out are
 // neither read nor weighted. Scores, softmax and sums are float32, as the torch path's. The keys
 // are split into parts when there are fewer (query, kv head) pairs than threads to keep busy
-// (flash-decoding: each part's softmax is merged by its largest score).
+// (flash-decoding: each part's softmax is merged by its largest score). The work is tasks
+// (pair, part), run by task(), then one merge() per pair.
+struct Attention {
+  const float* q;     // (B, KV, S, G, D): a pair's G query heads together
+  const float* k;     // (B, KV, T, D), as v
+  const float* v;
+  const bool* mask;   // (B, S, T)
+  const float* bias;  // (B, H, S, T) or null
+  int64_t B, KV, S, G, D, T, pairs, parts, span;
+  float scale;
+  std::vector<float> top, total, acc;
+
+  Attention(const float* q_, const float* k_, const float* v_, const bool* mask_, const float* bias_, int64_t B_,
+            int64_t KV_, int64_t S_, int64_t G_, int64_t D_, int64_t T_, float scale_, int64_t threads)
+      : q(q_), k(k_), v(v_), mask(mask_), bias(bias_), B(B_), KV(KV_), S(S_), G(G_), D(D_), T(T_), scale(scale_) {
+    pairs = B * KV * S;
+    // parts of at least 64 keys, enough for two tasks a thread
+    parts = std::max<int64_t>(1, std::min<int64_t>(T / 64, (2 * threads + pairs - 1) / pairs));
+    span = (T + parts - 1) / parts;
+    top.resize(pairs * parts * G);
+    total.resize(pairs * parts * G);
+    acc.resize(pairs * parts * G * D);
+  }
+
+  int64_t tasks() const { return pairs * parts; }
+
+  // Task t = pair * parts + part; s: G * span floats of scratch.
+  void task(int64_t t, float* s) {
+    const int64_t pair = t / parts, b = pair / (KV * S), h = (pair / S) % KV, i = pair % S;
+    const int64_t j0 = (t % parts) * span, j1 = std::min(T, j0 + span);
+    const float* kt = k + (b * KV + h) * T * D;
+    const float* vt = v + (b * KV + h) * T * D;
+    const bool* mt = mask + (b * S + i) * T;
+    // bias (b, h * G + g, i, :): heads of a group are S * T apart
+    const float* bt = bias ? bias + ((b * KV * G + h * G) * S + i) * T : nullptr;
+    float *tp = top.data() + t * G, *sp = total.data() + t * G, *ap = acc.data() + t * G * D;
+    switch (D / kLanes) {
+#define LLM_ATTEND(DV) \
+  case DV: attend<DV>(q + pair * G * D, G, kt, vt, mt, bt, S * T, j0, j1, scale, s, tp, sp, ap); break;
+      LLM_ATTEND(1) LLM_ATTEND(2) LLM_ATTEND(3) LLM_ATTEND(4) LLM_ATTEND(5) LLM_ATTEND(6) LLM_ATTEND(7) LLM_ATTEND(8)
+#undef LLM_ATTEND
+    }
+  }
+
+  // The pair's G heads of output, (G, D) at o.
+  void merge(int64_t pair, float* o_pair) const {
+    for (int64_t g = 0; g < G; ++g) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) {
+        const float x = top[(pair * parts + p) * G + g];
+        if (!(x <= best)) best = x;
+      }
+      float weight_sum = 0.f;
+      float* o = o_pair + g * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at_ = (pair * parts + p) * G + g;
+        if (total[at_] == 0.f) continue;  // no key in this part (and none NaN)
+        const float w = std::exp(top[at_] - best);
+        weight_sum += w * total[at_];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at_ * D + d];
+      }
+      // nothing to attend to: zeros, as the torch path's (a NaN score makes weight_sum NaN)
+      if (weight_sum != 0.f) {
+        const float inv = 1.f / weight_sum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  }
+};
+
 at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                 const at::Tensor& mask_in, double scale, const c10::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
@@ -382,66 +468,220 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
                 "bias must be (batch, n_heads, seq_q, seq_k), got ", bias.sizes());
   }
   // queries (batch, kv head, group, seq_q, head_dim) -> (batch, kv head, seq_q, group, head_dim)
-  const int64_t G = H / KV, pairs = B * KV * S;
+  const int64_t G = H / KV;
   const at::Tensor q = q_in.view({B, KV, G, S, D}).transpose(2, 3).contiguous();
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), mask = mask_in.contiguous();
   at::Tensor out = at::empty({B, KV, S, G, D}, q.options());
   if (out.numel() == 0 || T == 0) return out.zero_().transpose(2, 3).reshape({B, H, S, D});
-  // parts of at least 64 keys, enough for two tasks a thread
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(T / 64, (2 * at::get_num_threads() + pairs - 1) / pairs));
-  const int64_t span = (T + parts - 1) / parts;
-  std::vector<float> top(pairs * parts * G), total(pairs * parts * G), acc(pairs * parts * G * D);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const bool* mp = mask.data_ptr<bool>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, pairs * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(G * span);
-    for (int64_t t = t0; t < t1; ++t) {  // t = ((b * KV + kv head) * S + query) * parts + part
-      const int64_t pair = t / parts, b = pair / (KV * S), h = (pair / S) % KV, i = pair % S;
-      const int64_t j0 = (t % parts) * span, j1 = std::min(T, j0 + span);
-      const float* kt = kp + (b * KV + h) * T * D;
-      const float* vt = vp + (b * KV + h) * T * D;
-      const bool* mt = mp + (b * S + i) * T;
-      // bias (b, h * G + g, i, :): heads of a group are S * T apart
-      const float* bt = bp ? bp + ((b * H + h * G) * S + i) * T : nullptr;
-      float *tp = top.data() + t * G, *sp = total.data() + t * G, *ap = acc.data() + t * G * D;
-      switch (D / kLanes) {
-#define LLM_ATTEND(DV) \
-  case DV: attend<DV>(qp + pair * G * D, G, kt, vt, mt, bt, S * T, j0, j1, fscale, s.data(), tp, sp, ap); break;
-        LLM_ATTEND(1) LLM_ATTEND(2) LLM_ATTEND(3) LLM_ATTEND(4) LLM_ATTEND(5) LLM_ATTEND(6) LLM_ATTEND(7) LLM_ATTEND(8)
-#undef LLM_ATTEND
-      }
-    }
+  Attention attn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+                 bias.defined() ? bias.data_ptr<float>() : nullptr, B, KV, S, G, D, T, static_cast<float>(scale),
+                 at::get_num_threads());
+  at::parallel_for(0, attn.tasks(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(G * attn.span);
+    for (int64_t t = t0; t < t1; ++t) attn.task(t, s.data());
   });
   float* op = out.data_ptr<float>();
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    for (int64_t g = 0; g < G; ++g) {
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < parts; ++p) {
-        const float x = top[(pair * parts + p) * G + g];
-        if (!(x <= best)) best = x;
-      }
-      float weight_sum = 0.f;
-      float* o = op + (pair * G + g) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t at_ = (pair * parts + p) * G + g;
-        if (total[at_] == 0.f) continue;  // no key in this part (and none NaN)
-        const float w = std::exp(top[at_] - best);
-        weight_sum += w * total[at_];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * acc[at_ * D + d];
-      }
-      // nothing to attend to: zeros, as the torch path's (a NaN score makes weight_sum NaN)
-      if (weight_sum != 0.f) {
-        const float inv = 1.f / weight_sum;
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  for (int64_t pair = 0; pair < attn.pairs; ++pair) attn.merge(pair, op + pair * G * D);
+  return out.transpose(2, 3).reshape({B, H, S, D});
+}
+
+// out (M, D) = rmsnorm(x) * weight per row, as torch's rms_norm in float32: x * rsqrt(mean(x^2) + eps) * w.
+void rms_norm_rows(const float* x, const float* weight, int64_t M, int64_t D, float eps, float* out) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * D;
+    double ss = 0.0;  // in double: the mean is then float's rounding of the exact one, whatever the order
+    for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(r[d]) * r[d];
+    const float inv = 1.f / std::sqrt(static_cast<float>(ss / D) + eps);
+    for (int64_t d = 0; d < D; ++d) out[m * D + d] = (r[d] * inv) * weight[d];
+  }
+}
+
+// x rotated by rotary position embedding in transformers' Llama layout (rotate_half): out =
+// x * cos + roll(x, D / 2) * sin, sin's first half negated by the caller (RotaryEmbedding's).
+void rotate(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  if (!cos) {
+    std::memcpy(out, x, D * sizeof(float));
+    return;
+  }
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) out[d] = x[d] * cos[d] + x[(d + half) % D] * sin[d];
+}
+
+QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, int64_t n, int64_t k, const char* name) {
+  const c10::optional<at::Tensor> codes = weights.get(3 * i), scales = weights.get(3 * i + 1), mins = weights.get(3 * i + 2);
+  TORCH_CHECK(codes.has_value() && scales.has_value(), name, ": codes and scales are required");
+  QWeight w;
+  w.n = n, w.k = k, w.blocks = (n + kLanes - 1) / kLanes;
+  TORCH_CHECK(k % kGroup == 0, name, ": in_features ", k, " is not a multiple of 32");
+  TORCH_CHECK(codes->is_contiguous() && codes->dim() == 4 && codes->size(0) == w.blocks && codes->size(2) == kLanes &&
+                  codes->size(3) == 4 && scales->is_contiguous(),
+              name, ": codes of shape ", codes->sizes(), " do not match ", n, " outputs of ", k, " inputs");
+  if (codes->scalar_type() == at::kByte) {
+    TORCH_CHECK(codes->size(1) == k / 8 && mins.has_value() && mins->is_contiguous() &&
+                    scales->scalar_type() == at::kHalf && mins->scalar_type() == at::kHalf &&
+                    mins->numel() == scales->numel() && scales->numel() % (w.blocks * kLanes) == 0,
+                name, ": int4 codes need float16 scales and mins (blocks, K / group_size, 16)");
+    const int64_t groups = scales->numel() / (w.blocks * kLanes);
+    TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kGroup == 0, name, ": ", groups,
+                " groups do not divide ", k, " inputs into multiples of 32");
+    w.group = k / groups;
+    w.codes = codes->data_ptr<uint8_t>();
+    w.scales = scales->data_ptr<at::Half>();
+    w.mins = mins->data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(codes->scalar_type() == at::kChar && codes->size(1) == k / 4 && scales->scalar_type() == at::kFloat &&
+                    scales->numel() == w.blocks * kLanes,
+                name, ": int8 codes need float32 scales (blocks * 16,)");
+    w.int4 = false;
+    w.group = k;
+    w.codes = reinterpret_cast<const uint8_t*>(codes->data_ptr<int8_t>());
+    w.lane_scales = scales->data_ptr<float>();
+  }
+  return w;
+}
+
+// One pre-norm Llama block (RMSNorm, attention with rotary positions over a static cache,
+// RMSNorm, SiLU-gated FFN, no biases) for a few new tokens, in one call: one OpenMP team for the
+// whole block, the steps separated by its barriers (llama.cpp's graph compute: one thread pool,
+// a barrier between nodes), instead of a call (and a wake-up of the threads) per operation. The
+// arithmetic is the separate kernels': int8 activations per 32 inputs for every projection.
+at::Tensor decoder_block_cpu(const at::Tensor& x_in, const at::Tensor& norm_1, const at::Tensor& norm_2, double eps,
+                             const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef out_features,
+                             const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in,
+                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_position_in,
+                             const at::Tensor& mask_in, int64_t n_heads, double scale) {
+  TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "x must be float32 (batch, seq, d_model), got ",
+              x_in.sizes(), " ", x_in.scalar_type());
+  const int64_t B = x_in.size(0), S = x_in.size(1), Dm = x_in.size(2), M = B * S;
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "k_cache and v_cache must be contiguous float32 (batch, kv_n_heads, capacity, head_dim), got ",
+              k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t KV = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3), H = n_heads;
+  TORCH_CHECK(KV > 0 && H % KV == 0 && D % kLanes == 0 && D > 0 && D <= 8 * kLanes,
+              "n_heads ", H, " must be a multiple of kv_n_heads ", KV, " and head_dim ", D,
+              " a multiple of 16 up to 128");
+  TORCH_CHECK(weights.size() == 15 && out_features.size() == 5,
+              "weights must be codes, scales and mins of Wqkv, out_proj, gate_proj, up_proj and down_proj");
+  const int64_t Nqkv = (H + 2 * KV) * D, hidden = out_features[2];
+  TORCH_CHECK(out_features[0] == Nqkv && out_features[1] == Dm && out_features[3] == hidden && out_features[4] == Dm,
+              "out_features ", out_features, " do not fit d_model ", Dm, " and ", H, " + 2 * ", KV, " heads of ", D);
+  const QWeight wqkv = qweight(weights, 0, Nqkv, Dm, "Wqkv"), wo = qweight(weights, 1, Dm, H * D, "out_proj");
+  const QWeight wgate = qweight(weights, 2, hidden, Dm, "gate_proj"), wup = qweight(weights, 3, hidden, Dm, "up_proj");
+  const QWeight wdown = qweight(weights, 4, Dm, hidden, "down_proj");
+  TORCH_CHECK(wgate.int4 == wup.int4 && wgate.group == wup.group,
+              "gate_proj and up_proj must be quantized alike (they share the quantized input)");
+  TORCH_CHECK(norm_1.numel() == Dm && norm_2.numel() == Dm && norm_1.scalar_type() == at::kFloat &&
+                  norm_2.scalar_type() == at::kFloat,
+              "norm weights must be float32 (d_model,)");
+  TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), "cos and sin come together");
+  at::Tensor cos, sin;
+  if (cos_in.has_value()) {
+    cos = cos_in->contiguous(), sin = sin_in->contiguous();
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 3 &&
+                    (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == S && cos.size(2) == D,
+                "cos and sin must be float32 (batch or 1, seq, head_dim), got ", cos.sizes(), " and ", sin.sizes());
+  }
+  const at::Tensor positions = cache_position_in.to(at::kLong).contiguous();
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == S, "cache_position must be (seq,), got ", positions.sizes());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < T, "cache_position ", pos[s], " is outside the buffer of ", T);
+  const at::Tensor mask = mask_in.contiguous();
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == B * S * T,
+              "mask must be bool (batch, seq, capacity) = (", B, ", ", S, ", ", T, "), got ", mask.sizes());
+  const at::Tensor n1 = norm_1.contiguous(), n2 = norm_2.contiguous();
+
+  at::Tensor out = x_in.contiguous().clone();
+  if (M == 0) return out;
+  float* x = out.data_ptr<float>();
+  const int64_t G = H / KV;
+  std::vector<float> h(M * std::max(Dm, hidden)), qkv(M * Nqkv), q(M * H * D), attn_out(M * H * D), act(M * hidden);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cp = cos.defined() ? cos.data_ptr<float>() : nullptr;
+  const float* sp = cos.defined() ? sin.data_ptr<float>() : nullptr;
+  const int64_t cos_rows = cos.defined() ? cos.size(0) : 1;
+  const int threads = at::get_num_threads();
+  Attention attn(q.data(), kc, vc, mask.data_ptr<bool>(), nullptr, B, KV, S, G, D, T, static_cast<float>(scale), threads);
+  Acts a_in, a_mid;
+  const float feps = static_cast<float>(eps);
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> s(G * attn.span), t1(M * kLanes), t2(M * kLanes);
+    // x + out_proj(attention(norm_1(x)))
+#pragma omp single
+    {
+      rms_norm_rows(x, n1.data_ptr<float>(), M, Dm, feps, h.data());
+      quantize_acts(h.data(), M, Dm, wqkv.group, a_in);
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < wqkv.blocks; ++b) project_block(wqkv, a_in, M, b, qkv.data() + b * kLanes, Nqkv);
+#pragma omp single
+    {
+      // rotate the query and key heads; queries to (batch, kv head, seq, group, head_dim), keys and
+      // values to their buffer positions
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t b = m / S, i = m % S;
+        const float* row = qkv.data() + m * Nqkv;
+        const float* c = cp ? cp + ((b % cos_rows) * S + i) * D : nullptr;
+        const float* sn = sp ? sp + ((b % cos_rows) * S + i) * D : nullptr;
+        for (int64_t hd = 0; hd < H; ++hd)
+          rotate(row + hd * D, c, sn, D, q.data() + (((b * KV + hd / G) * S + i) * G + hd % G) * D);
+        for (int64_t j = 0; j < KV; ++j) {
+          const int64_t at_ = ((b * KV + j) * T + pos[i]) * D;
+          rotate(row + (H + j) * D, c, sn, D, kc + at_);
+          std::memcpy(vc + at_, row + (H + KV + j) * D, D * sizeof(float));
+        }
       }
     }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < attn.tasks(); ++t) attn.task(t, s.data());
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < attn.pairs; ++pair) {
+      const int64_t b = pair / (KV * S), j = (pair / S) % KV, i = pair % S;
+      attn.merge(pair, attn_out.data() + ((b * S + i) * H + j * G) * D);
+    }
+#pragma omp single
+    quantize_acts(attn_out.data(), M, H * D, wo.group, a_mid);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < wo.blocks; ++b) {
+      project_block(wo, a_mid, M, b, t1.data(), kLanes);
+      const int64_t width = std::min(kLanes, Dm - b * kLanes);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t l = 0; l < width; ++l) x[m * Dm + b * kLanes + l] += t1[m * kLanes + l];
+    }
+    // x + down_proj(silu(gate_proj(h)) * up_proj(h)), h = norm_2(x)
+#pragma omp single
+    {
+      rms_norm_rows(x, n2.data_ptr<float>(), M, Dm, feps, h.data());
+      quantize_acts(h.data(), M, Dm, wgate.group, a_in);
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < wgate.blocks; ++b) {
+      project_block(wgate, a_in, M, b, t1.data(), kLanes);
+      project_block(wup, a_in, M, b, t2.data(), kLanes);
+      const int64_t width = std::min(kLanes, hidden - b * kLanes);
+      for (int64_t m = 0; m < M; ++m) {
+        const __m512 g = _mm512_loadu_ps(t1.data() + m * kLanes), u = _mm512_loadu_ps(t2.data() + m * kLanes);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_mask_storeu_ps(act.data() + m * hidden + b * kLanes, lanes_mask(width), _mm512_mul_ps(silu, u));
+      }
+    }
+#pragma omp single
+    quantize_acts(act.data(), M, hidden, wdown.group, a_mid);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < wdown.blocks; ++b) {
+      project_block(wdown, a_mid, M, b, t1.data(), kLanes);
+      const int64_t width = std::min(kLanes, Dm - b * kLanes);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t l = 0; l < width; ++l) x[m * Dm + b * kLanes + l] += t1[m * kLanes + l];
+    }
   }
-  return out.transpose(2, 3).reshape({B, H, S, D});
+  return out;
 }
 
 #pragma GCC pop_options
@@ -457,6 +697,12 @@ at::Tensor int8_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const a
 }
 at::Tensor decode_attention_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                 const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "llm CPU kernels need AVX512-VNNI");
+}
+at::Tensor decoder_block_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                             const c10::List<c10::optional<at::Tensor>>&, at::IntArrayRef,
+                             const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, at::Tensor&,
+                             at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double) {
   TORCH_CHECK(false, "llm CPU kernels need AVX512-VNNI");
 }
 #endif
@@ -482,10 +728,14 @@ TORCH_LIBRARY(llm, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
+  m.def("decoder_block(Tensor x, Tensor norm_1, Tensor norm_2, float eps, Tensor?[] weights, int[] out_features, "
+        "Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor mask, "
+        "int n_heads, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int4_linear", &int4_linear_cpu);
   m.impl("int8_linear", &int8_linear_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("decoder_block", &decoder_block_cpu);
 }

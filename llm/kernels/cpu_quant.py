@@ -146,6 +146,11 @@ def _register_fakes() -> None:
     def _(q, k, v, mask, scale, bias):
         return q.new_empty(q.shape, dtype=torch.float32)
 
+    @torch.library.register_fake("llm::decoder_block")
+    def _(x, norm_1, norm_2, eps, weights, out_features, cos, sin, k_cache, v_cache, cache_position, mask, n_heads,
+          scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
 
 def supports(out_features: int, in_features: int, group_size: int | None = None) -> str | None:
     """Why an (out_features, in_features) weight cannot take these kernels, or None if it can
@@ -262,3 +267,45 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _require()
     return torch.ops.llm.decode_attention(query, key, value, mask, scale, bias)
 
+
+
+def decoder_block(x: torch.Tensor, norm_1: torch.Tensor, norm_2: torch.Tensor, eps: float,
+                  weights: list[torch.Tensor | None], out_features: list[int], cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cache_position: torch.Tensor, mask: torch.Tensor, n_heads: int, scale: float) -> torch.Tensor:
+    """One pre-norm Llama block over a static cache for a few new tokens, in one call.
+
+    ``h = x + out_proj(attention(rotate(Wqkv(rms_norm(x, norm_1)))))``, then
+    ``h + down_proj(silu(gate_proj(g)) * up_proj(g))`` with ``g = rms_norm(h, norm_2)``: the
+    arithmetic of :func:`int4_linear` / :func:`int8_linear` and :func:`decode_attention`, in one
+    team of threads with a barrier between steps (llama.cpp's graph compute) instead of a call,
+    and a wake-up of the threads, per operation. The new keys and values are written into the
+    caches at ``cache_position`` (as :meth:`llm.cache.Cache.update`).
+
+    Args:
+        x: (batch, seq, d_model) float32, the residual stream.
+        norm_1, norm_2: (d_model,) float32 RMSNorm weights; ``eps`` their epsilon.
+        weights: 15 tensors, (codes, scales, mins) of ``Wqkv``, ``out_proj``, ``gate_proj``,
+            ``up_proj``, ``down_proj`` in this module's int4 layout, or (codes, scales, None) in its
+            int8 layout (``kernel_tensors()`` of :class:`llm.quant.Int4Linear` / ``Int8Linear``);
+            ``gate_proj`` and ``up_proj`` quantized alike.
+        out_features: the five layers' output sizes: ``(n_heads + 2 * kv_n_heads) * head_dim``,
+            d_model, hidden, hidden, d_model.
+        cos, sin: (batch or 1, seq, head_dim) float32 rotary angles (:class:`llm.layers.positions.Rotation`,
+            sin's first half negated), or both None for no rotation.
+        k_cache, v_cache: (batch, kv_n_heads, capacity, head_dim) float32 contiguous, written in place.
+        cache_position: (seq,) int64 buffer positions of the new tokens.
+        mask: (batch, seq, capacity) bool, the keys each new token may see (its own included).
+        n_heads: query heads (a multiple of kv_n_heads); head_dim a multiple of 16 up to 128.
+        scale: the attention scores' factor (1 / sqrt(head_dim)).
+
+    Returns:
+        (batch, seq, d_model) float32: the block's output.
+
+    Raises:
+        RuntimeError: on shapes, dtypes or layouts other than these, a position outside the
+            buffer, or without the kernels (:func:`unavailable`).
+    """
+    _require()
+    return torch.ops.llm.decoder_block(x, norm_1, norm_2, eps, weights, out_features, cos, sin, k_cache, v_cache,
+                                       cache_position, mask, n_heads, scale)

@@ -82,12 +82,24 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
         cos = torch.cat([freqs, freqs], dim=-1)[:, None].cos().to(dtype)
         sin = freqs[:, None].sin().to(dtype)
-        signed_sin = torch.cat([-sin, sin], dim=-1)
-        half = self.head_dim // 2
+        return Rotation(cos, torch.cat([-sin, sin], dim=-1))
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            # rotate_half(x) * sin = (-x2, x1) * (sin, sin) = roll(x) * (-sin, sin), bitwise:
-            # one roll instead of chunk, neg and cat in every layer
-            return x * cos + x.roll(half, dims=-1) * signed_sin
 
-        return rotate
+class Rotation:
+    """Rotary embedding at some positions, as :meth:`RotaryEmbedding.forward` makes it: called on
+    (batch, heads, seq, head_dim) tensors, it rotates them.
+
+    Attributes:
+        cos: (batch or 1, 1, seq, head_dim), the angles' cosines, in the model's dtype.
+        sin: the same shape, the sines with the first half negated (``rotate_half``'s sign), so
+            that kernels applying it themselves take the same numbers.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos = cos
+        self.sin = sin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # rotate_half(x) * sin = (-x2, x1) * (sin, sin) = roll(x) * (-sin, sin), bitwise:
+        # one roll instead of chunk, neg and cat in every layer
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.sin

@@ -196,6 +196,11 @@ class Int8Linear(_Int8Codes):
         codes, scales = int8_rows(weight)
         return cls(codes, scales, bias, activation_dtype)
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """(codes, scales, None) in our CPU kernel's layouts for a fused kernel
+        (:func:`llm.kernels.cpu_quant.decoder_block`), or None on torch's kernel or with a bias."""
+        return (self.weight, self.kernel_scales, None) if self.packed and self.bias is None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.packed:
@@ -311,6 +316,11 @@ class Int4Linear(nn.Module):
             _, scales, mins = cpu_quant.unpack_int4(self.weight, self.kernel_scales, self.kernel_mins, self.out_features)
             return scales.float(), mins.float() + 8 * scales.float()
         return self.scales_and_zeros[..., 0].t().float(), self.scales_and_zeros[..., 1].t().float()
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scales, mins) in our CPU kernel's layouts for a fused kernel
+        (:func:`llm.kernels.cpu_quant.decoder_block`), or None on torch's kernel or with a bias."""
+        return (self.weight, self.kernel_scales, self.kernel_mins) if self.kernel == "llm" and self.bias is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -1,0 +1,173 @@
+"""The fused decoder block (llm::decoder_block in llm/kernels/cpu_quant.cpp): a Llama block's
+decoding step in one call equals the same block's layers run one by one (same int8-activation
+arithmetic: only the last bits of the norms, rotation and SiLU differ), writes the same keys and
+values into the cache, is taken only where it applies, stays one in-place call under
+torch.compile, and refuses bad input with a clear error."""
+
+import pytest
+import torch
+
+from llm.cache import StaticCache
+from llm.generation import compiled
+from llm.kernels import cpu_quant
+from tests.conftest import tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
+
+
+@pytest.fixture(autouse=True)
+def ours():
+    with cpu_quant.enabled():
+        yield
+
+
+def step_inputs(model, batch: int, seq: int, capacity: int = 48, start: int = 20, seed: int = 0):
+    """A static cache of random keys and values, x, the buffer positions, the mask (row 1 left-padded
+    by 4) and the rotation of a decoding step of ``seq`` tokens after ``start`` cached positions."""
+    g = torch.Generator().manual_seed(seed)
+    cache = StaticCache(model.config, batch, capacity, dtype=torch.float32)
+    for t in (*cache._keys, *cache._values):
+        t.copy_(torch.randn(t.shape, generator=g))
+    x = torch.randn(batch, seq, model.config.d_model, generator=g) * 3
+    positions = torch.arange(start, start + seq)
+    key_mask = torch.zeros(batch, capacity, dtype=torch.bool)
+    key_mask[:, :start + seq] = True
+    key_mask[1:, :4] = False
+    allowed = (torch.arange(capacity)[None, :] <= positions[:, None])[None, None] & key_mask[:, None, None, :]
+    real_before = key_mask.long().cumsum(-1)[:, positions] - 1
+    rotation = model.rotary(real_before, torch.float32) if model.rotary is not None else None
+    return cache, x, dict(attn_mask=allowed, rotary=rotation, cache_position=positions)
+
+
+def copy_cache(cache: StaticCache) -> StaticCache:
+    other = StaticCache(None, cache.batch_size_hint, cache.max_cache_len)
+    other._keys, other._values = [k.clone() for k in cache._keys], [v.clone() for v in cache._values]
+    other._lengths = list(cache._lengths)
+    return other
+
+
+def run_block(block, x, cache, kwargs, fused: bool):
+    block.fused_decode = fused
+    try:
+        with torch.no_grad():
+            return block(x, past_key_values=cache, **kwargs)
+    finally:
+        block.fused_decode = True
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("batch,seq,kv_n_heads", [(1, 1, 2), (2, 1, 1), (2, 3, 4), (3, 8, 2)])
+def test_the_fused_block_is_its_layers_one_by_one(quantization, batch, seq, kv_n_heads, monkeypatch):
+    model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, quantization=quantization, kernels="llm")
+    block = model.blocks[1]
+    calls = []
+    kernel = cpu_quant.decoder_block
+    monkeypatch.setattr(cpu_quant, "decoder_block", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    cache, x, kwargs = step_inputs(model, batch, seq)
+    separate = copy_cache(cache)
+    expected = run_block(block, x, separate, kwargs, fused=False)
+    assert not calls
+    out = run_block(block, x, cache, kwargs, fused=True)
+    assert calls == [x.shape]
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(out, expected, atol=1e-5 * scale, rtol=0)
+    # the new keys (rotated) and values written at their positions, and nothing else
+    for mine, theirs in ((cache._keys[1], separate._keys[1]), (cache._values[1], separate._values[1])):
+        torch.testing.assert_close(mine, theirs, atol=1e-5 * float(theirs.abs().max()), rtol=0)
+    assert torch.equal(cache._keys[0], separate._keys[0])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_decoding_through_the_fused_blocks_follows_the_uncached_forward(quantization):
+    model = tiny_model("llama", d_model=64, quantization=quantization, kernels="llm", init_std=0.02)
+    ids = torch.randint(0, 61, (2, 9))
+    sequences = torch.cat([ids, torch.randint(0, 61, (2, 6))], dim=1)
+    mask = torch.ones_like(sequences, dtype=torch.bool)
+    mask[1, :3] = False
+    reference = model(sequences, attention_mask=mask).logits
+    decoder = compiled.StaticDecoder(model, mask, sequences.shape[1], None, compile=False)
+    decoder.prefill(ids, mask, torch.full((2,), 8))
+    for step in range(9, sequences.shape[1]):
+        logits = decoder.forward(sequences[:, step:step + 1])[:, 0]
+        torch.testing.assert_close(logits, reference[:, step], atol=0.01 * float(reference.abs().max()), rtol=0)
+
+
+def test_only_blocks_it_fits_take_it(monkeypatch):
+    calls = []
+    kernel = cpu_quant.decoder_block
+    monkeypatch.setattr(cpu_quant, "decoder_block", lambda *a: calls.append(1) or kernel(*a))
+    cases = {
+        "float weights": tiny_model("llama", d_model=64),
+        "torch's kernels": tiny_model("llama", d_model=64, quantization="int4", kernels="torch"),
+        "LayerNorm, ALiBi, GELU MLP": tiny_model("alibi", d_model=64, quantization="int4", kernels="llm"),
+        "the fused Llama block": tiny_model("llama", d_model=64, quantization="int4", kernels="llm"),
+    }
+    for name, model in cases.items():
+        cache, x, kwargs = step_inputs(model, 2, 1)
+        if model.config.alibi:
+            kwargs.update(rotary=None, attn_bias=torch.zeros(2, 4, 1, 48))
+        run_block(model.blocks[0], x, cache, kwargs, fused=True)
+        assert len(calls) == (name == "the fused Llama block"), name
+    model = cases["the fused Llama block"]
+    cache, x, kwargs = step_inputs(model, 2, 9)  # more tokens than a decoding step
+    run_block(model.blocks[0], x, cache, kwargs, fused=True)
+    x.requires_grad_()
+    cache, _, kwargs = step_inputs(model, 2, 1)
+    model.blocks[0](x[:, :1], past_key_values=cache, **kwargs)  # a gradient is wanted
+    assert len(calls) == 1
+
+
+def test_compiled_it_stays_one_call_that_writes_the_cache_in_place(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = tiny_model("llama", d_model=64, n_layers=1, quantization="int4", kernels="llm")
+    block = model.blocks[0]
+    cache, x, kwargs = step_inputs(model, 2, 1)
+    eager_cache, before = copy_cache(cache), cache._keys[0].clone()
+    expected = run_block(block, x, eager_cache, kwargs, fused=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, cache, mask, rot, pos: block(x, past_key_values=cache, attn_mask=mask, rotary=rot,
+                                                                cache_position=pos), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = step(x, cache, kwargs["attn_mask"], kwargs["rotary"], kwargs["cache_position"])
+    torch._dynamo.reset()
+    assert sum("decoder_block" in t for t in graphs[0]) == 1
+    torch.testing.assert_close(out, expected, atol=1e-5 * float(expected.abs().max()), rtol=0)
+    torch.testing.assert_close(cache._keys[0], eager_cache._keys[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache._values[0], eager_cache._values[0], atol=1e-5, rtol=1e-5)
+    changed = (cache._keys[0] != before).any(-1).any(1)  # (batch, capacity): positions written
+    assert changed[:, 20].all() and changed.sum() == 2
+
+
+def test_bad_inputs_are_refused_with_what_was_wrong():
+    model = tiny_model("llama", d_model=64, quantization="int4", kernels="llm")
+    block = model.blocks[0]
+    cache, x, kwargs = step_inputs(model, 2, 1)
+    weights, out_features = block._fused_weights()
+    keys, values = cache.storage(0)
+    mask = kwargs["attn_mask"][:, 0]
+    rot = kwargs["rotary"]
+    args = dict(x=x, norm_1=block.norm_1.weight, norm_2=block.norm_2.weight, eps=1e-5, weights=weights,
+                out_features=out_features, cos=rot.cos[:, 0], sin=rot.sin[:, 0], k_cache=keys, v_cache=values,
+                cache_position=kwargs["cache_position"], mask=mask, n_heads=4, scale=0.25)
+    cases = [
+        (dict(cache_position=torch.tensor([48])), "cache_position 48 is outside the buffer of 48"),
+        (dict(weights=weights[:12]), "weights must be codes, scales and mins of Wqkv"),
+        (dict(x=x.double()), "x must be float32"),
+        (dict(mask=mask[..., :-1]), r"mask must be bool \(batch, seq, capacity\)"),
+        (dict(n_heads=3), "n_heads 3 must be a multiple of kv_n_heads 2"),
+        (dict(out_features=[96, 64, 100, 100, 64]), "do not fit d_model 64"),
+        (dict(cos=rot.cos[:, 0, :, :8], sin=rot.sin[:, 0, :, :8]), "cos and sin must be float32"),
+    ]
+    for change, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            cpu_quant.decoder_block(**{**args, **change})
+    with pytest.raises(ValueError, match="layer 5 has no storage"):
+        cache.storage(5)
