@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bpb-blocks", type=int, default=8)
     parser.add_argument("--bpb-block-len", type=int, default=256)
+    parser.add_argument("--engine", action="append", default=[],
+                        help="a row to run besides llama.cpp, e.g. 'gguf, ours compiled' (repeatable; default: all)")
     args = parser.parse_args(argv)
     for why in (llama_cpp_missing(), cpu_quant.unavailable()):
         if why:
@@ -34,16 +36,22 @@ def main(argv=None) -> int:
     prompt = prompt_ids(tokenizer)
     ids, n = torch.tensor([prompt]), args.new_tokens
     path = str(resolve(args.pretrained)[1])
+    rows = [f"{q}, {kernels}{compiled}" for q in ("gguf", "int8") for kernels in ("torch's kernels", "ours")
+            for compiled in ("", " compiled")]
+    unknown = set(args.engine) - set(rows)
+    if unknown:
+        parser.error(f"unknown --engine {sorted(unknown)}: choose from {rows}")
+    rows = [row for row in rows if not args.engine or row in args.engine]
     models = {}
-    for quantization in ("gguf", "int8"):
-        with cpu_quant.disabled():
-            models[f"{quantization}, torch's kernels"] = load_ours(args.pretrained, quantization)
-        with cpu_quant.enabled():
-            models[f"{quantization}, ours"] = load_ours(args.pretrained, quantization)
+    for row in rows:
+        name = row.removesuffix(" compiled")
+        if name not in models:
+            with cpu_quant.disabled() if "torch's" in name else cpu_quant.enabled():
+                models[name] = load_ours(args.pretrained, name.split(",")[0])
     threads = torch.get_num_threads()
     llama = LlamaCpp(path, n_threads=threads, n_ctx=len(prompt) + n + 16, n_seq_max=1)
-    calls = {f"{name}{' compiled' if c else ''}": (lambda k, m=m, c=c: _generate(False, m, ids, k, c, tokenizer))
-             for name, m in models.items() for c in (False, True)}
+    calls = {row: (lambda k, m=models[row.removesuffix(" compiled")], c=row.endswith(" compiled"):
+                   _generate(False, m, ids, k, c, tokenizer)) for row in rows}
     calls["llama.cpp"] = lambda k: torch.from_numpy(llama.greedy([prompt], k))
     for call in calls.values():
         call(2)  # compile (and warm) before timing

@@ -10,8 +10,9 @@ the batch, the prompt length or the cache.
 
 The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (about 15 s, then
 cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
-registers the operators ``torch.ops.llm.int4_linear`` and ``torch.ops.llm.int8_linear`` (with
-fake implementations, so ``torch.compile`` calls them as they are). They are off unless
+registers the operators ``torch.ops.llm.int4_linear``, ``int8_linear``, ``decode_attention`` and
+``decoder_block`` (a Llama block's decoding step in one call; with fake implementations, so
+``torch.compile`` calls them as they are). They are off unless
 switched on (``LLM_CPU_KERNELS=1``, read when ``llm`` is imported, or :func:`enabled`): their int8 activations make cached,
 speculative and compiled decoding equal the uncached greedy only up to near-ties (README, Fast
 decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
