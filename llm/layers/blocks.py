@@ -24,7 +24,8 @@ class MosaicGPTBlock(nn.Module):
     attention's ``decode_kernel``) sends a static cache's decoding steps (up to
     :data:`~llm.layers.attention.DECODE_ATTENTION_QUERIES` float32 tokens a row, no gradient) to
     :func:`llm.kernels.cpu_quant.decoder_block` when the block is Llama's (RMSNorm, rotary or no
-    positions, SiLU-gated FFN, no biases) and its five projections are quantized on our kernels;
+    positions, SiLU-gated FFN, no biases; head_dim a multiple of 16 up to 128) and its five
+    projections are quantized on our kernels;
     any other block or step takes the layers one by one.
     """
 
@@ -48,7 +49,8 @@ class MosaicGPTBlock(nn.Module):
     def _fused_weights(self) -> tuple[list, list[int]] | None:
         """The fused kernel's weights and output sizes, or None if this block cannot take it."""
         attn, ffn = self.attn, self.ffn
-        if not (attn.decode_kernel and isinstance(ffn, GLU) and ffn.act is F.silu
+        if not (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
+                and isinstance(ffn, GLU) and ffn.act is F.silu
                 and isinstance(self.norm_1, RMSNorm) and isinstance(self.norm_2, RMSNorm)
                 and self.norm_1.eps == self.norm_2.eps
                 and self.norm_1.weight.dtype == self.norm_2.weight.dtype == torch.float32):

@@ -101,6 +101,7 @@ def test_only_blocks_it_fits_take_it(monkeypatch):
         "float weights": tiny_model("llama", d_model=64),
         "torch's kernels": tiny_model("llama", d_model=64, quantization="int4", kernels="torch"),
         "LayerNorm, ALiBi, GELU MLP": tiny_model("alibi", d_model=64, quantization="int4", kernels="llm"),
+        "head_dim 8": tiny_model("llama", d_model=32, quantization="int4", kernels="llm"),
         "the fused Llama block": tiny_model("llama", d_model=64, quantization="int4", kernels="llm"),
     }
     for name, model in cases.items():
