@@ -540,6 +540,14 @@ QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, 
   return w;
 }
 
+// x (M, n) += block b of w's product with a (a residual connection); tmp: M * 16 floats.
+void add_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float* tmp, float* x, int64_t n) {
+  project_block(w, a, M, b, tmp, kLanes);
+  const int64_t width = std::min(kLanes, n - b * kLanes);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t l = 0; l < width; ++l) x[m * n + b * kLanes + l] += tmp[m * kLanes + l];
+}
+
 // One pre-norm Llama block (RMSNorm, attention with rotary positions over a static cache,
 // RMSNorm, SiLU-gated FFN, no biases) for a few new tokens, in one call: one OpenMP team for the
 // whole block, the steps separated by its barriers (llama.cpp's graph compute: one thread pool,
@@ -649,10 +657,7 @@ at::Tensor decoder_block_cpu(const at::Tensor& x_in, const at::Tensor& norm_1, c
     quantize_acts(attn_out.data(), M, H * D, wo.group, a_mid);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < wo.blocks; ++b) {
-      project_block(wo, a_mid, M, b, t1.data(), kLanes);
-      const int64_t width = std::min(kLanes, Dm - b * kLanes);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t l = 0; l < width; ++l) x[m * Dm + b * kLanes + l] += t1[m * kLanes + l];
+      add_block(wo, a_mid, M, b, t1.data(), x, Dm);
     }
     // x + down_proj(silu(gate_proj(h)) * up_proj(h)), h = norm_2(x)
 #pragma omp single
@@ -675,10 +680,7 @@ at::Tensor decoder_block_cpu(const at::Tensor& x_in, const at::Tensor& norm_1, c
     quantize_acts(act.data(), M, hidden, wdown.group, a_mid);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < wdown.blocks; ++b) {
-      project_block(wdown, a_mid, M, b, t1.data(), kLanes);
-      const int64_t width = std::min(kLanes, Dm - b * kLanes);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t l = 0; l < width; ++l) x[m * Dm + b * kLanes + l] += t1[m * kLanes + l];
+      add_block(wdown, a_mid, M, b, t1.data(), x, Dm);
     }
   }
   return out;
