@@ -90,7 +90,7 @@ class Cache:
     def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole key and value storage, each (batch, kv_n_heads, capacity, head_dim),
         for a kernel that writes new keys at ``cache_position`` itself, as :meth:`update` does
-        (:func:`llm.kernels.cpu_quant.decoder_block`).
+        (:func:`llm.kernels.cpu_quant.decoder_blocks`).
 
         Raises:
             ValueError: if the layer's storage is not allocated.

@@ -20,7 +20,7 @@ from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.generation import GENERATION_CONFIG_FILE, GenerationConfig, generate, stream
 from llm.generation.decoding import check_token_ids
 from llm.io import atomic_write, shape_mismatches
-from llm.layers.blocks import MosaicGPTBlock
+from llm.layers.blocks import MosaicGPTBlock, forward_blocks
 from llm.layers.linear import Linear, linear
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
@@ -360,9 +360,8 @@ class MosaicGPT(nn.Module):
             # -slope * (real tokens between key and query): forward's bias up to a per-row constant
             distance = (counts[:, None, :] - query_counts[:, :, None]).to(torch.float32)
             attn_bias = (slopes[None, :, None, None] * distance[:, None]).to(x.dtype)
-        for block in self.blocks:
-            x = block(x, past_key_values=cache, attn_bias=attn_bias, attn_mask=allowed, rotary=rotary,
-                      cache_position=cache_position)
+        x = forward_blocks(self.blocks, x, past_key_values=cache, attn_bias=attn_bias, attn_mask=allowed,
+                           rotary=rotary, cache_position=cache_position)
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
         x = self.norm_f(x)

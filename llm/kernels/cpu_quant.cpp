@@ -26,6 +26,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define LLM_X86 1
@@ -223,6 +227,20 @@ void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float*
       default: run(std::integral_constant<int, 8>()); break;
     }
   }
+}
+
+// The bytes of block b that project_block reads before its own prefetches reach them: the first
+// kAheadBytes of its codes and the scales and mins as far.
+void prefetch_block(const QWeight& w, int64_t b) {
+  if (b >= w.blocks) return;
+  const int64_t row_bytes = w.int4 ? w.k / 2 : w.k, codes = std::min(kAheadBytes, row_bytes * kLanes);
+  const char* c = reinterpret_cast<const char*>(w.codes) + b * row_bytes * kLanes;
+  for (int64_t i = 0; i < codes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+  if (!w.int4) return;
+  const int64_t KG = w.k / w.group, side = std::min<int64_t>(2 * kAheadBytes / w.group, KG * kLanes) * 2;
+  const char* d = reinterpret_cast<const char*>(w.scales + b * KG * kLanes);
+  const char* m = reinterpret_cast<const char*>(w.mins + b * KG * kLanes);
+  for (int64_t i = 0; i < side; i += 64) _mm_prefetch(d + i, _MM_HINT_T1), _mm_prefetch(m + i, _MM_HINT_T1);
 }
 
 // x (M, K) @ w.T -> out (M, n), the blocks split over torch's threads.
@@ -548,42 +566,66 @@ void add_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float* tmp
     for (int64_t l = 0; l < width; ++l) x[m * n + b * kLanes + l] += tmp[m * kLanes + l];
 }
 
-// One pre-norm Llama block (RMSNorm, attention with rotary positions over a static cache,
-// RMSNorm, SiLU-gated FFN, no biases) for a few new tokens, in one call: one OpenMP team for the
-// whole block, the steps separated by its barriers (llama.cpp's graph compute: one thread pool,
-// a barrier between nodes), instead of a call (and a wake-up of the threads) per operation. The
-// arithmetic is the separate kernels': int8 activations per 32 inputs for every projection.
-at::Tensor decoder_block_cpu(const at::Tensor& x_in, const at::Tensor& norm_1, const at::Tensor& norm_2, double eps,
-                             const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef out_features,
-                             const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in,
-                             at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& cache_position_in,
-                             const at::Tensor& mask_in, int64_t n_heads, double scale) {
+// Consecutive pre-norm Llama blocks (RMSNorm, attention with rotary positions over a static
+// cache, RMSNorm, SiLU-gated FFN, no biases) for a few new tokens, in one call: one OpenMP team
+// for all of them, the steps separated by its barriers (llama.cpp's graph compute: one thread
+// pool, a barrier between nodes), instead of a call (and a wake-up of the threads) per operation
+// and one from Python per block. The arithmetic is the separate kernels': int8 activations per 32
+// inputs for every projection. Steps whose input is small (the norms, the quantized activations,
+// the merge of attention's parts) are done by every thread into its own buffers rather than by
+// one behind a barrier; each thread, done with its share of a projection, prefetches the start of
+// its share of the next one while it waits for the others.
+at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, double eps,
+                              const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef out_features,
+                              const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in,
+                              at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_position_in,
+                              const at::Tensor& mask_in, int64_t n_heads, double scale) {
   TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
   TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "x must be float32 (batch, seq, d_model), got ",
               x_in.sizes(), " ", x_in.scalar_type());
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L > 0 && v_caches.size() == k_caches.size() && norms.size() == 2 * k_caches.size() &&
+                  weights.size() == 15 * k_caches.size(),
+              "one block's k_cache and v_cache, two norm weights and 15 weights each: got ", k_caches.size(), ", ",
+              v_caches.size(), ", ", norms.size(), " and ", weights.size());
   const int64_t B = x_in.size(0), S = x_in.size(1), Dm = x_in.size(2), M = B * S;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == B &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "k_cache and v_cache must be contiguous float32 (batch, kv_n_heads, capacity, head_dim), got ",
-              k_cache.sizes(), " and ", v_cache.sizes());
-  const int64_t KV = k_cache.size(1), T = k_cache.size(2), D = k_cache.size(3), H = n_heads;
+  const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4 && k0.size(0) == B, "k_cache must be (batch, kv_n_heads, capacity, head_dim), got ",
+              k0.sizes());
+  const int64_t KV = k0.size(1), T = k0.size(2), D = k0.size(3), H = n_heads;
   TORCH_CHECK(KV > 0 && H % KV == 0 && D % kLanes == 0 && D > 0 && D <= 8 * kLanes,
               "n_heads ", H, " must be a multiple of kv_n_heads ", KV, " and head_dim ", D,
               " a multiple of 16 up to 128");
-  TORCH_CHECK(weights.size() == 15 && out_features.size() == 5,
-              "weights must be codes, scales and mins of Wqkv, out_proj, gate_proj, up_proj and down_proj");
+  TORCH_CHECK(out_features.size() == 5, "out_features must be those of Wqkv, out_proj, gate_proj, up_proj, down_proj");
   const int64_t Nqkv = (H + 2 * KV) * D, hidden = out_features[2];
   TORCH_CHECK(out_features[0] == Nqkv && out_features[1] == Dm && out_features[3] == hidden && out_features[4] == Dm,
               "out_features ", out_features, " do not fit d_model ", Dm, " and ", H, " + 2 * ", KV, " heads of ", D);
-  const QWeight wqkv = qweight(weights, 0, Nqkv, Dm, "Wqkv"), wo = qweight(weights, 1, Dm, H * D, "out_proj");
-  const QWeight wgate = qweight(weights, 2, hidden, Dm, "gate_proj"), wup = qweight(weights, 3, hidden, Dm, "up_proj");
-  const QWeight wdown = qweight(weights, 4, Dm, hidden, "down_proj");
-  TORCH_CHECK(wgate.int4 == wup.int4 && wgate.group == wup.group,
-              "gate_proj and up_proj must be quantized alike (they share the quantized input)");
-  TORCH_CHECK(norm_1.numel() == Dm && norm_2.numel() == Dm && norm_1.scalar_type() == at::kFloat &&
-                  norm_2.scalar_type() == at::kFloat,
-              "norm weights must be float32 (d_model,)");
+  struct Layer {
+    QWeight wqkv, wo, wgate, wup, wdown;
+    const float *n1, *n2;
+    float *kc, *vc;
+  };
+  std::vector<Layer> layers(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
+    TORCH_CHECK(kc.sizes() == k0.sizes() && vc.sizes() == k0.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
+                "k_cache and v_cache must be contiguous float32 (batch, kv_n_heads, capacity, head_dim) = ",
+                k0.sizes(), ", got ", kc.sizes(), " and ", vc.sizes(), " for block ", l);
+    const at::Tensor &n1 = norms[2 * l], &n2 = norms[2 * l + 1];
+    TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && n1.scalar_type() == at::kFloat &&
+                    n2.scalar_type() == at::kFloat && n1.is_contiguous() && n2.is_contiguous(),
+                "norm weights must be contiguous float32 (d_model,)");
+    const int64_t w = 5 * l;
+    Layer& y = layers[l];
+    y.wqkv = qweight(weights, w, Nqkv, Dm, "Wqkv"), y.wo = qweight(weights, w + 1, Dm, H * D, "out_proj");
+    y.wgate = qweight(weights, w + 2, hidden, Dm, "gate_proj"), y.wup = qweight(weights, w + 3, hidden, Dm, "up_proj");
+    y.wdown = qweight(weights, w + 4, Dm, hidden, "down_proj");
+    TORCH_CHECK(y.wgate.int4 == y.wup.int4 && y.wgate.group == y.wup.group,
+                "gate_proj and up_proj must be quantized alike (they share the quantized input)");
+    y.n1 = n1.data_ptr<float>(), y.n2 = n2.data_ptr<float>();
+    y.kc = kc.data_ptr<float>(), y.vc = vc.data_ptr<float>();
+  }
   TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), "cos and sin come together");
   at::Tensor cos, sin;
   if (cos_in.has_value()) {
@@ -600,87 +642,97 @@ at::Tensor decoder_block_cpu(const at::Tensor& x_in, const at::Tensor& norm_1, c
   const at::Tensor mask = mask_in.contiguous();
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == B * S * T,
               "mask must be bool (batch, seq, capacity) = (", B, ", ", S, ", ", T, "), got ", mask.sizes());
-  const at::Tensor n1 = norm_1.contiguous(), n2 = norm_2.contiguous();
 
   at::Tensor out = x_in.contiguous().clone();
   if (M == 0) return out;
   float* x = out.data_ptr<float>();
   const int64_t G = H / KV;
-  std::vector<float> h(M * std::max(Dm, hidden)), qkv(M * Nqkv), q(M * H * D), attn_out(M * H * D), act(M * hidden);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  std::vector<float> qkv(M * Nqkv), q(M * H * D), act(M * hidden);
   const float* cp = cos.defined() ? cos.data_ptr<float>() : nullptr;
   const float* sp = cos.defined() ? sin.data_ptr<float>() : nullptr;
   const int64_t cos_rows = cos.defined() ? cos.size(0) : 1;
   const int threads = at::get_num_threads();
-  Attention attn(q.data(), kc, vc, mask.data_ptr<bool>(), nullptr, B, KV, S, G, D, T, static_cast<float>(scale), threads);
-  Acts a_in, a_mid;
+  Attention attn(q.data(), layers[0].kc, layers[0].vc, mask.data_ptr<bool>(), nullptr, B, KV, S, G, D, T,
+                 static_cast<float>(scale), threads);
   const float feps = static_cast<float>(eps);
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s(G * attn.span), t1(M * kLanes), t2(M * kLanes);
-    // x + out_proj(attention(norm_1(x)))
+#ifdef _OPENMP
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const int64_t team = 1, me = 0;
+#endif
+    // this thread's blocks of a projection under schedule(static): the first `blocks % team` threads one more
+    auto share = [&](int64_t blocks) {
+      const int64_t base = blocks / team, extra = blocks % team;
+      return me * base + std::min(me, extra);
+    };
+    auto warm = [&](const QWeight& w) { prefetch_block(w, share(w.blocks)); };
+    std::vector<float> s(G * attn.span), t1(M * kLanes), t2(M * kLanes), h(M * std::max(Dm, hidden)),
+        attn_out(M * H * D);
+    Acts a;
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& y = layers[l];
+      // x + out_proj(attention(norm_1(x)))
+      rms_norm_rows(x, y.n1, M, Dm, feps, h.data());
+      quantize_acts(h.data(), M, Dm, y.wqkv.group, a);
+#pragma omp for schedule(static) nowait
+      for (int64_t b = 0; b < y.wqkv.blocks; ++b) project_block(y.wqkv, a, M, b, qkv.data() + b * kLanes, Nqkv);
+      warm(y.wo);
+#pragma omp barrier
 #pragma omp single
-    {
-      rms_norm_rows(x, n1.data_ptr<float>(), M, Dm, feps, h.data());
-      quantize_acts(h.data(), M, Dm, wqkv.group, a_in);
-    }
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < wqkv.blocks; ++b) project_block(wqkv, a_in, M, b, qkv.data() + b * kLanes, Nqkv);
-#pragma omp single
-    {
-      // rotate the query and key heads; queries to (batch, kv head, seq, group, head_dim), keys and
-      // values to their buffer positions
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t b = m / S, i = m % S;
-        const float* row = qkv.data() + m * Nqkv;
-        const float* c = cp ? cp + ((b % cos_rows) * S + i) * D : nullptr;
-        const float* sn = sp ? sp + ((b % cos_rows) * S + i) * D : nullptr;
-        for (int64_t hd = 0; hd < H; ++hd)
-          rotate(row + hd * D, c, sn, D, q.data() + (((b * KV + hd / G) * S + i) * G + hd % G) * D);
-        for (int64_t j = 0; j < KV; ++j) {
-          const int64_t at_ = ((b * KV + j) * T + pos[i]) * D;
-          rotate(row + (H + j) * D, c, sn, D, kc + at_);
-          std::memcpy(vc + at_, row + (H + KV + j) * D, D * sizeof(float));
+      {
+        // rotate the query and key heads; queries to (batch, kv head, seq, group, head_dim), keys and
+        // values to their buffer positions
+        attn.k = y.kc, attn.v = y.vc;
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t b = m / S, i = m % S;
+          const float* row = qkv.data() + m * Nqkv;
+          const float* c = cp ? cp + ((b % cos_rows) * S + i) * D : nullptr;
+          const float* sn = sp ? sp + ((b % cos_rows) * S + i) * D : nullptr;
+          for (int64_t hd = 0; hd < H; ++hd)
+            rotate(row + hd * D, c, sn, D, q.data() + (((b * KV + hd / G) * S + i) * G + hd % G) * D);
+          for (int64_t j = 0; j < KV; ++j) {
+            const int64_t at_ = ((b * KV + j) * T + pos[i]) * D;
+            rotate(row + (H + j) * D, c, sn, D, y.kc + at_);
+            std::memcpy(y.vc + at_, row + (H + KV + j) * D, D * sizeof(float));
+          }
         }
       }
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < attn.tasks(); ++t) attn.task(t, s.data());
-#pragma omp for schedule(static)
-    for (int64_t pair = 0; pair < attn.pairs; ++pair) {
-      const int64_t b = pair / (KV * S), j = (pair / S) % KV, i = pair % S;
-      attn.merge(pair, attn_out.data() + ((b * S + i) * H + j * G) * D);
-    }
-#pragma omp single
-    quantize_acts(attn_out.data(), M, H * D, wo.group, a_mid);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < wo.blocks; ++b) {
-      add_block(wo, a_mid, M, b, t1.data(), x, Dm);
-    }
-    // x + down_proj(silu(gate_proj(h)) * up_proj(h)), h = norm_2(x)
-#pragma omp single
-    {
-      rms_norm_rows(x, n2.data_ptr<float>(), M, Dm, feps, h.data());
-      quantize_acts(h.data(), M, Dm, wgate.group, a_in);
-    }
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < wgate.blocks; ++b) {
-      project_block(wgate, a_in, M, b, t1.data(), kLanes);
-      project_block(wup, a_in, M, b, t2.data(), kLanes);
-      const int64_t width = std::min(kLanes, hidden - b * kLanes);
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 g = _mm512_loadu_ps(t1.data() + m * kLanes), u = _mm512_loadu_ps(t2.data() + m * kLanes);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_mask_storeu_ps(act.data() + m * hidden + b * kLanes, lanes_mask(width), _mm512_mul_ps(silu, u));
+#pragma omp for schedule(static) nowait
+      for (int64_t t = 0; t < attn.tasks(); ++t) attn.task(t, s.data());
+#pragma omp barrier
+      for (int64_t pair = 0; pair < attn.pairs; ++pair) {
+        const int64_t b = pair / (KV * S), j = (pair / S) % KV, i = pair % S;
+        attn.merge(pair, attn_out.data() + ((b * S + i) * H + j * G) * D);
       }
-    }
-#pragma omp single
-    quantize_acts(act.data(), M, hidden, wdown.group, a_mid);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < wdown.blocks; ++b) {
-      add_block(wdown, a_mid, M, b, t1.data(), x, Dm);
+      quantize_acts(attn_out.data(), M, H * D, y.wo.group, a);
+#pragma omp for schedule(static) nowait
+      for (int64_t b = 0; b < y.wo.blocks; ++b) add_block(y.wo, a, M, b, t1.data(), x, Dm);
+      warm(y.wgate), warm(y.wup);
+#pragma omp barrier
+      // x + down_proj(silu(gate_proj(h)) * up_proj(h)), h = norm_2(x)
+      rms_norm_rows(x, y.n2, M, Dm, feps, h.data());
+      quantize_acts(h.data(), M, Dm, y.wgate.group, a);
+#pragma omp for schedule(static) nowait
+      for (int64_t b = 0; b < y.wgate.blocks; ++b) {
+        project_block(y.wgate, a, M, b, t1.data(), kLanes);
+        project_block(y.wup, a, M, b, t2.data(), kLanes);
+        const int64_t width = std::min(kLanes, hidden - b * kLanes);
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512 g = _mm512_loadu_ps(t1.data() + m * kLanes), u = _mm512_loadu_ps(t2.data() + m * kLanes);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm512_mask_storeu_ps(act.data() + m * hidden + b * kLanes, lanes_mask(width), _mm512_mul_ps(silu, u));
+        }
+      }
+      warm(y.wdown);
+#pragma omp barrier
+      quantize_acts(act.data(), M, hidden, y.wdown.group, a);
+#pragma omp for schedule(static) nowait
+      for (int64_t b = 0; b < y.wdown.blocks; ++b) add_block(y.wdown, a, M, b, t1.data(), x, Dm);
+      if (l + 1 < L) warm(layers[l + 1].wqkv);
+#pragma omp barrier
     }
   }
   return out;
@@ -701,10 +753,9 @@ at::Tensor decode_attention_cpu(const at::Tensor&, const at::Tensor&, const at::
                                 const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "llm CPU kernels need AVX512-VNNI");
 }
-at::Tensor decoder_block_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                             const c10::List<c10::optional<at::Tensor>>&, at::IntArrayRef,
-                             const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, at::Tensor&,
-                             at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double) {
+at::Tensor decoder_blocks_cpu(const at::Tensor&, at::TensorList, double, const c10::List<c10::optional<at::Tensor>>&,
+                              at::IntArrayRef, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                              at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&, int64_t, double) {
   TORCH_CHECK(false, "llm CPU kernels need AVX512-VNNI");
 }
 #endif
@@ -730,14 +781,14 @@ TORCH_LIBRARY(llm, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
-  m.def("decoder_block(Tensor x, Tensor norm_1, Tensor norm_2, float eps, Tensor?[] weights, int[] out_features, "
-        "Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor mask, "
-        "int n_heads, float scale) -> Tensor");
+  m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
+        "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int4_linear", &int4_linear_cpu);
   m.impl("int8_linear", &int8_linear_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
-  m.impl("decoder_block", &decoder_block_cpu);
+  m.impl("decoder_blocks", &decoder_blocks_cpu);
 }

@@ -11,7 +11,7 @@ the batch, the prompt length or the cache.
 The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (about 15 s, then
 cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
 registers the operators ``torch.ops.llm.int4_linear``, ``int8_linear``, ``decode_attention`` and
-``decoder_block`` (a Llama block's decoding step in one call; with fake implementations, so
+``decoder_blocks`` (Llama blocks' decoding step in one call; with fake implementations, so
 ``torch.compile`` calls them as they are). They are off unless
 switched on (``LLM_CPU_KERNELS=1``, read when ``llm`` is imported, or :func:`enabled`): their int8 activations make cached,
 speculative and compiled decoding equal the uncached greedy only up to near-ties (README, Fast
@@ -147,9 +147,8 @@ def _register_fakes() -> None:
     def _(q, k, v, mask, scale, bias):
         return q.new_empty(q.shape, dtype=torch.float32)
 
-    @torch.library.register_fake("llm::decoder_block")
-    def _(x, norm_1, norm_2, eps, weights, out_features, cos, sin, k_cache, v_cache, cache_position, mask, n_heads,
-          scale):
+    @torch.library.register_fake("llm::decoder_blocks")
+    def _(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches, cache_position, mask, n_heads, scale):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -270,43 +269,46 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 
-def decoder_block(x: torch.Tensor, norm_1: torch.Tensor, norm_2: torch.Tensor, eps: float,
-                  weights: list[torch.Tensor | None], out_features: list[int], cos: torch.Tensor | None,
-                  sin: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  cache_position: torch.Tensor, mask: torch.Tensor, n_heads: int, scale: float) -> torch.Tensor:
-    """One pre-norm Llama block over a static cache for a few new tokens, in one call.
+def decoder_blocks(x: torch.Tensor, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor | None],
+                   out_features: list[int], cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], cache_position: torch.Tensor,
+                   mask: torch.Tensor, n_heads: int, scale: float) -> torch.Tensor:
+    """Consecutive pre-norm Llama blocks over a static cache for a few new tokens, in one call.
 
-    ``h = x + out_proj(attention(rotate(Wqkv(rms_norm(x, norm_1)))))``, then
+    Per block, ``h = x + out_proj(attention(rotate(Wqkv(rms_norm(x, norm_1)))))``, then
     ``h + down_proj(silu(gate_proj(g)) * up_proj(g))`` with ``g = rms_norm(h, norm_2)``: the
     arithmetic of :func:`int4_linear` / :func:`int8_linear` and :func:`decode_attention`, in one
-    team of threads with a barrier between steps (llama.cpp's graph compute) instead of a call,
-    and a wake-up of the threads, per operation. The new keys and values are written into the
-    caches at ``cache_position`` (as :meth:`llm.cache.Cache.update`).
+    team of threads for all the blocks with a barrier between steps (llama.cpp's graph compute)
+    instead of a call, and a wake-up of the threads, per operation and block. Each block's new
+    keys and values are written into its caches at ``cache_position`` (as
+    :meth:`llm.cache.Cache.update`).
 
     Args:
         x: (batch, seq, d_model) float32, the residual stream.
-        norm_1, norm_2: (d_model,) float32 RMSNorm weights; ``eps`` their epsilon.
-        weights: 15 tensors, (codes, scales, mins) of ``Wqkv``, ``out_proj``, ``gate_proj``,
-            ``up_proj``, ``down_proj`` in this module's int4 layout, or (codes, scales, None) in its
-            int8 layout (``kernel_tensors()`` of :class:`llm.quant.Int4Linear` / ``Int8Linear``);
-            ``gate_proj`` and ``up_proj`` quantized alike.
-        out_features: the five layers' output sizes: ``(n_heads + 2 * kv_n_heads) * head_dim``,
-            d_model, hidden, hidden, d_model.
+        norms: 2 per block, its ``norm_1`` and ``norm_2`` weights, (d_model,) float32 RMSNorm
+            weights; ``eps`` their epsilon.
+        weights: 15 tensors per block, (codes, scales, mins) of ``Wqkv``, ``out_proj``,
+            ``gate_proj``, ``up_proj``, ``down_proj`` in this module's int4 layout, or (codes,
+            scales, None) in its int8 layout (``kernel_tensors()`` of :class:`llm.quant.Int4Linear`
+            / ``Int8Linear``); ``gate_proj`` and ``up_proj`` quantized alike.
+        out_features: the five layers' output sizes, the same in every block:
+            ``(n_heads + 2 * kv_n_heads) * head_dim``, d_model, hidden, hidden, d_model.
         cos, sin: (batch or 1, seq, head_dim) float32 rotary angles (:class:`llm.layers.positions.Rotation`,
             sin's first half negated), or both None for no rotation.
-        k_cache, v_cache: (batch, kv_n_heads, capacity, head_dim) float32 contiguous, written in place.
+        k_caches, v_caches: one per block, (batch, kv_n_heads, capacity, head_dim) float32
+            contiguous, written in place.
         cache_position: (seq,) int64 buffer positions of the new tokens.
         mask: (batch, seq, capacity) bool, the keys each new token may see (its own included).
         n_heads: query heads (a multiple of kv_n_heads); head_dim a multiple of 16 up to 128.
         scale: the attention scores' factor (1 / sqrt(head_dim)).
 
     Returns:
-        (batch, seq, d_model) float32: the block's output.
+        (batch, seq, d_model) float32: the last block's output.
 
     Raises:
         RuntimeError: on shapes, dtypes or layouts other than these, a position outside the
             buffer, or without the kernels (:func:`unavailable`).
     """
     _require()
-    return torch.ops.llm.decoder_block(x, norm_1, norm_2, eps, weights, out_features, cos, sin, k_cache, v_cache,
-                                       cache_position, mask, n_heads, scale)
+    return torch.ops.llm.decoder_blocks(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches,
+                                        cache_position, mask, n_heads, scale)

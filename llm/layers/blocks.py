@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,11 @@ class MosaicGPTBlock(nn.Module):
     ``fused_decode`` (True when the block is made while our CPU kernels are on, as the
     attention's ``decode_kernel``) sends a static cache's decoding steps (up to
     :data:`~llm.layers.attention.DECODE_ATTENTION_QUERIES` float32 tokens a row, no gradient) to
-    :func:`llm.kernels.cpu_quant.decoder_block` when the block is Llama's (RMSNorm, rotary or no
+    :func:`llm.kernels.cpu_quant.decoder_blocks` when the block is Llama's (RMSNorm, rotary or no
     positions, SiLU-gated FFN, no biases; head_dim a multiple of 16 up to 128) and its five
     projections are quantized on our kernels;
-    any other block or step takes the layers one by one.
+    any other block or step takes the layers one by one. :func:`forward_blocks` runs consecutive
+    such blocks in one call.
     """
 
     def __init__(self, config: MosaicGPTConfig, layer_idx: int):
@@ -39,10 +41,14 @@ class MosaicGPTBlock(nn.Module):
         self.fused_decode = cpu_quant.available()
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
-        if self.fused_decode:
-            out = self._decode_step(x, **attn_kwargs)
-            if out is not None:
-                return out
+        parts = self._fused_parts(x, **attn_kwargs)
+        if parts is not None:
+            return _decoder_blocks([parts], x, attn_kwargs.get("rotary"), attn_kwargs["cache_position"],
+                                   attn_kwargs["attn_mask"])
+        return self.forward_layers(x, **attn_kwargs)
+
+    def forward_layers(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
+        """The block's layers one by one (never the fused kernel)."""
         x = x + self.resid_drop(self.attn(self.norm_1(x), **attn_kwargs))
         return x + self.resid_drop(self.ffn(self.norm_2(x)))
 
@@ -61,12 +67,12 @@ class MosaicGPTBlock(nn.Module):
             return None
         return [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
 
-    def _decode_step(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
-                     key_padding_mask=None, query_padding_mask=None) -> torch.Tensor | None:
-        """The block through the fused kernel, or None where it does not apply."""
-        if (cache_position is None or attn_mask is None or attn_bias is not None or key_padding_mask is not None
-                or query_padding_mask is not None or x.dtype != torch.float32 or x.device.type != "cpu"
-                or x.shape[1] > DECODE_ATTENTION_QUERIES or self.training
+    def _fused_parts(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
+                     key_padding_mask=None, query_padding_mask=None) -> _Fused | None:
+        """What the fused kernel needs of this block for this step, or None if it does not apply."""
+        if (not self.fused_decode or self.training or cache_position is None or attn_mask is None
+                or attn_bias is not None or key_padding_mask is not None or query_padding_mask is not None
+                or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] > DECODE_ATTENTION_QUERIES
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return None
         fused = self._fused_weights()
@@ -75,12 +81,61 @@ class MosaicGPTBlock(nn.Module):
         keys, values = past_key_values.storage(self.attn.layer_idx)
         if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
             return None
-        batch, seq = x.shape[:2]
-        cos = sin = None
-        if rotary is not None:
-            cos, sin = rotary.cos[:, 0], rotary.sin[:, 0]
-        mask = attn_mask.expand(batch, 1, seq, keys.shape[2])[:, 0]
         weights, out_features = fused
-        return cpu_quant.decoder_block(x, self.norm_1.weight, self.norm_2.weight, self.norm_1.eps, weights, out_features,
-                                       cos, sin, keys, values, cache_position, mask, self.attn.n_heads,
-                                       1.0 / math.sqrt(self.attn.head_dim))
+        return _Fused([self.norm_1.weight, self.norm_2.weight], weights, keys, values,
+                      (self.norm_1.eps, self.attn.n_heads, self.attn.head_dim, tuple(out_features)))
+
+
+class _Fused(NamedTuple):
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor | None]
+    keys: torch.Tensor
+    values: torch.Tensor
+    shape: tuple  # (eps, n_heads, head_dim, out_features): blocks in one call share these
+
+
+def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None,
+                   cache_position=None, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
+    """``x`` through ``blocks`` (:class:`MosaicGPTBlock`) in order, with the arguments of their
+    ``forward``: in a static cache's decoding step (up to
+    :data:`~llm.layers.attention.DECODE_ATTENTION_QUERIES` float32 tokens a row on the CPU, no
+    gradient, a mask and ``cache_position``, no ALiBi bias or padding masks), each run of
+    consecutive blocks that :func:`llm.kernels.cpu_quant.decoder_blocks` takes goes in one call
+    (one team of threads for the run, and one call from Python); any other block, or step, takes
+    its layers one by one.
+
+    Args:
+        blocks: a sequence of :class:`MosaicGPTBlock`.
+        x: (batch, seq, d_model) hidden states.
+
+    Returns:
+        (batch, seq, d_model): the last block's output.
+    """
+    kwargs = dict(past_key_values=past_key_values, attn_bias=attn_bias, attn_mask=attn_mask, rotary=rotary,
+                  cache_position=cache_position, key_padding_mask=key_padding_mask,
+                  query_padding_mask=query_padding_mask)
+    run: list[_Fused] = []
+    for block in blocks:
+        # a wrapped block (FSDP, activation checkpointing) is called as it is
+        parts = block._fused_parts(x, **kwargs) if isinstance(block, MosaicGPTBlock) else None
+        if run and (parts is None or parts.shape != run[0].shape):
+            x, run = _decoder_blocks(run, x, rotary, cache_position, attn_mask), []
+        if parts is None:
+            x = block(x, **kwargs)
+        else:
+            run.append(parts)
+    return _decoder_blocks(run, x, rotary, cache_position, attn_mask) if run else x
+
+
+def _decoder_blocks(run: list[_Fused], x, rotary, cache_position, attn_mask) -> torch.Tensor:
+    batch, seq = x.shape[:2]
+    keys = [part.keys for part in run]
+    cos = sin = None
+    if rotary is not None:
+        cos, sin = rotary.cos[:, 0], rotary.sin[:, 0]
+    mask = attn_mask.expand(batch, 1, seq, keys[0].shape[2])[:, 0]
+    eps, n_heads, head_dim, out_features = run[0].shape
+    return cpu_quant.decoder_blocks(x, [n for part in run for n in part.norms], eps,
+                                    [w for part in run for w in part.weights], list(out_features), cos, sin, keys,
+                                    [part.values for part in run], cache_position, mask, n_heads,
+                                    1.0 / math.sqrt(head_dim))

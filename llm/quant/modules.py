@@ -198,7 +198,7 @@ class Int8Linear(_Int8Codes):
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
         """(codes, scales, None) in our CPU kernel's layouts for a fused kernel
-        (:func:`llm.kernels.cpu_quant.decoder_block`), or None on torch's kernel or with a bias."""
+        (:func:`llm.kernels.cpu_quant.decoder_blocks`), or None on torch's kernel or with a bias."""
         return (self.weight, self.kernel_scales, None) if self.packed and self.bias is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,7 @@ class Int4Linear(nn.Module):
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(codes, scales, mins) in our CPU kernel's layouts for a fused kernel
-        (:func:`llm.kernels.cpu_quant.decoder_block`), or None on torch's kernel or with a bias."""
+        (:func:`llm.kernels.cpu_quant.decoder_blocks`), or None on torch's kernel or with a bias."""
         return (self.weight, self.kernel_scales, self.kernel_mins) if self.kernel == "llm" and self.bias is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,16 @@
-"""The fused decoder block (llm::decoder_block in llm/kernels/cpu_quant.cpp): a Llama block's
+"""The fused decoder blocks (llm::decoder_blocks in llm/kernels/cpu_quant.cpp): Llama blocks'
 decoding step in one call equals the same block's layers run one by one (same int8-activation
 arithmetic: only the last bits of the norms, rotation and SiLU differ), writes the same keys and
 values into the cache, is taken only where it applies, stays one in-place call under
 torch.compile, and refuses bad input with a clear error."""
 
+import functools
+
 import pytest
 import torch
+
+import llm.model as model_module
+from llm.layers import blocks as blocks_module
 
 from llm.cache import StaticCache
 from llm.generation import compiled
@@ -61,8 +66,8 @@ def test_the_fused_block_is_its_layers_one_by_one(quantization, batch, seq, kv_n
     model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, quantization=quantization, kernels="llm")
     block = model.blocks[1]
     calls = []
-    kernel = cpu_quant.decoder_block
-    monkeypatch.setattr(cpu_quant, "decoder_block", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    kernel = cpu_quant.decoder_blocks
+    monkeypatch.setattr(cpu_quant, "decoder_blocks", lambda *a: calls.append(a[0].shape) or kernel(*a))
     cache, x, kwargs = step_inputs(model, batch, seq)
     separate = copy_cache(cache)
     expected = run_block(block, x, separate, kwargs, fused=False)
@@ -95,8 +100,8 @@ def test_decoding_through_the_fused_blocks_follows_the_uncached_forward(quantiza
 
 def test_only_blocks_it_fits_take_it(monkeypatch):
     calls = []
-    kernel = cpu_quant.decoder_block
-    monkeypatch.setattr(cpu_quant, "decoder_block", lambda *a: calls.append(1) or kernel(*a))
+    kernel = cpu_quant.decoder_blocks
+    monkeypatch.setattr(cpu_quant, "decoder_blocks", lambda *a: calls.append(1) or kernel(*a))
     cases = {
         "float weights": tiny_model("llama", d_model=64),
         "torch's kernels": tiny_model("llama", d_model=64, quantization="int4", kernels="torch"),
@@ -155,12 +160,16 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
     keys, values = cache.storage(0)
     mask = kwargs["attn_mask"][:, 0]
     rot = kwargs["rotary"]
-    args = dict(x=x, norm_1=block.norm_1.weight, norm_2=block.norm_2.weight, eps=1e-5, weights=weights,
-                out_features=out_features, cos=rot.cos[:, 0], sin=rot.sin[:, 0], k_cache=keys, v_cache=values,
-                cache_position=kwargs["cache_position"], mask=mask, n_heads=4, scale=0.25)
+    norms = [block.norm_1.weight, block.norm_2.weight]
+    args = dict(x=x, norms=norms, eps=1e-5, weights=weights, out_features=out_features, cos=rot.cos[:, 0],
+                sin=rot.sin[:, 0], k_caches=[keys], v_caches=[values], cache_position=kwargs["cache_position"],
+                mask=mask, n_heads=4, scale=0.25)
     cases = [
         (dict(cache_position=torch.tensor([48])), "cache_position 48 is outside the buffer of 48"),
-        (dict(weights=weights[:12]), "weights must be codes, scales and mins of Wqkv"),
+        (dict(weights=weights[:12]), "15 weights each: got 1, 1, 2 and 12"),
+        (dict(k_caches=[keys, keys], v_caches=[values, values]), "15 weights each: got 2, 2, 2 and 15"),
+        (dict(v_caches=[values[:, :, :-1]]), r"k_cache and v_cache must be contiguous float32 .* for block 0"),
+        (dict(norms=[norms[0], norms[1][:-1]]), r"norm weights must be contiguous float32 \(d_model,\)"),
         (dict(x=x.double()), "x must be float32"),
         (dict(mask=mask[..., :-1]), r"mask must be bool \(batch, seq, capacity\)"),
         (dict(n_heads=3), "n_heads 3 must be a multiple of kv_n_heads 2"),
@@ -169,6 +178,37 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
     ]
     for change, message in cases:
         with pytest.raises(RuntimeError, match=message):
-            cpu_quant.decoder_block(**{**args, **change})
+            cpu_quant.decoder_blocks(**{**args, **change})
     with pytest.raises(ValueError, match="layer 5 has no storage"):
         cache.storage(5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("unfused", [None, 1])
+def test_a_model_step_runs_its_fused_blocks_in_one_call(unfused, monkeypatch):
+    """forward_static sends each run of consecutive blocks the kernel takes in one call, which
+    equals those blocks run one call each (same arithmetic, same order); a block that cannot take
+    it splits the run and takes its layers."""
+    model = tiny_model("llama", d_model=64, n_layers=4, quantization="int4", kernels="llm")
+    if unfused is not None:
+        model.blocks[unfused].fused_decode = False
+    calls = []
+    kernel = cpu_quant.decoder_blocks
+    monkeypatch.setattr(cpu_quant, "decoder_blocks", lambda *a: calls.append(len(a[7])) or kernel(*a))
+    cache, _, _ = step_inputs(model, 2, 1)
+    separate = copy_cache(cache)
+    ids = torch.randint(0, 61, (2, 1))
+    key_mask = torch.zeros(2, 48, dtype=torch.bool)
+    key_mask[:, :21] = True
+    key_mask[1, :4] = False
+    position = torch.tensor([20])
+    logits = model.forward_static(ids, cache, position, key_mask)
+    assert calls == ([4] if unfused is None else [1, 2])
+    calls.clear()
+    one_by_one = lambda blocks, x, **kw: functools.reduce(lambda x, b: blocks_module.forward_blocks([b], x, **kw),
+                                                          blocks, x)
+    monkeypatch.setattr(model_module, "forward_blocks", one_by_one)
+    assert torch.equal(model.forward_static(ids, separate, position, key_mask), logits)
+    assert calls == ([1] * 4 if unfused is None else [1, 1, 1])
+    for mine, theirs in zip((*cache._keys, *cache._values), (*separate._keys, *separate._values)):
+        assert torch.equal(mine, theirs)
