@@ -1,5 +1,7 @@
 """The fast-decoding table (``scripts/bench_generate.py --fast``): every weight mode of ours, compiled
-or not, against transformers and llama.cpp on the same GGUF file, in one run.
+or not, on torch's int4/int8 kernels and (compiled int8 and GGUF-native, where they run) on our
+own (:mod:`llm.kernels.cpu_quant`), against transformers and llama.cpp on the same GGUF file, in
+one run.
 
 For each engine: decode tokens/s at batch 1 and 8 (greedy, the same prompt token ids, the same
 new tokens, the same thread count), prefill tokens/s and time to first token at batch 1 (a
@@ -31,15 +33,19 @@ from llm.data import load_corpus
 from llm.generation.bench import _timed_interleaved, hf_llama, markdown
 from llm.generation.generate import generate
 from llm.generation.peers import LlamaCpp, child_peak_rss, extra_bufts_usable, llama_cpp_missing, run_alone
+from llm.kernels import cpu_quant
 from llm.model import MosaicGPT
 
-#: Our modes: (quantization, compiled).
-OURS = [("none", False), ("none", True), ("int8", False), ("int8", True), ("int4", False), ("int4", True),
-        ("gguf", False), ("gguf", True)]
+#: Our modes: (quantization, compiled, kernels): "torch" for torch's int4/int8 kernels (the
+#: default), "llm" for ours (llm/kernels/cpu_quant.cpp, LLM_CPU_KERNELS=1).
+OURS = [("none", False, "torch"), ("none", True, "torch"), ("int8", False, "torch"), ("int8", True, "torch"),
+        ("int4", False, "torch"), ("int4", True, "torch"), ("gguf", False, "torch"), ("gguf", True, "torch"),
+        ("int8", True, "llm"), ("gguf", True, "llm")]
 
 
-def mode_name(quantization: str, compiled: bool) -> str:
-    return f"ours {'fp32' if quantization == 'none' else quantization}{' compiled' if compiled else ''}"
+def mode_name(quantization: str, compiled: bool, kernels: str = "torch") -> str:
+    return (f"ours {'fp32' if quantization == 'none' else quantization}{' compiled' if compiled else ''}"
+            f"{', our kernels' if kernels == 'llm' else ''}")
 
 
 def prompt_ids(tokenizer, tokens: int = 171) -> list[int]:
@@ -115,11 +121,11 @@ def _generate(hf: bool, model, ids, n: int, compile: bool, tokenizer):
                               min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
 
-def _in_child(args, engine: str, compile: bool, cache_dir: str) -> dict:
+def _in_child(args, engine: str, compile: bool, cache_dir: str, kernels: str = "torch") -> dict:
     argv = [sys.executable, "-m", "llm.generation.bench_fast", "--child", engine, "--pretrained", args.pretrained,
             "--threads", str(torch.get_num_threads())] + (["--compile"] if compile else [])
-    status, out, err, rss_kb = child_peak_rss(argv, timeout=1800,
-                                              env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir})
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "LLM_CPU_KERNELS": "1" if kernels == "llm" else "0"}
+    status, out, err, rss_kb = child_peak_rss(argv, timeout=1800, env=env)
     if status != 0:
         raise RuntimeError(f"{engine} child exited with {status}: {err[-800:]}")
     return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_mb": rss_kb / 1024}
@@ -142,31 +148,39 @@ def fast_table(args) -> dict:
     cache_dir = tempfile.mkdtemp(prefix="llm-bench-inductor-")
 
     # processes of their own: load time, peak RSS, the first call cold and warm
-    engines = [(q, c) for q, c in OURS] + [("hf", False), ("hf", True)]
+    why = cpu_quant.unavailable()
+    if why:
+        print(f"rows of our kernels left out: {why}", file=sys.stderr, flush=True)
+    ours = [mode for mode in OURS if mode[2] == "torch" or why is None]
+    engines = ours + [("hf", False, "torch"), ("hf", True, "torch")]
     alone = {}
-    for engine, compile in engines:
-        cold = _in_child(args, engine, compile, cache_dir)
+    for engine, compile, kernels in engines:
+        cold = _in_child(args, engine, compile, cache_dir, kernels)
         if compile:
-            cold["warm_first_call_s"] = _in_child(args, engine, compile, cache_dir)["first_call_s"]
-        alone[(engine, compile)] = cold
-        print(f"alone: {engine} compile={compile}: {cold}", file=sys.stderr, flush=True)
+            cold["warm_first_call_s"] = _in_child(args, engine, compile, cache_dir, kernels)["first_call_s"]
+        alone[(engine, compile, kernels)] = cold
+        print(f"alone: {engine} compile={compile} kernels={kernels}: {cold}", file=sys.stderr, flush=True)
     # llama.cpp's repacked (AMX) weights die with SIGILL on VMs whose AMX tiles are unusable
     extra_bufts = not args.no_extra_bufts and extra_bufts_usable(gguf_path, n_threads=threads)
     llama_alone = run_alone(gguf_path, prompt, n, n_threads=threads, use_extra_bufts=extra_bufts)
 
     # one process: every engine, taking turns (compiled steps load from the cache just filled)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    models = {q: load_ours(args.pretrained, q) for q in ("none", "int8", "int4", "gguf")}
-    hf = hf_llama(models["none"])
-    hf_compiled = hf_llama(models["none"])
+    models = {}
+    for q, _, kernels in ours:
+        if (q, kernels) not in models:
+            with cpu_quant.enabled() if kernels == "llm" else cpu_quant.disabled():
+                models[(q, kernels)] = load_ours(args.pretrained, q)
+    hf = hf_llama(models[("none", "torch")])
+    hf_compiled = hf_llama(models[("none", "torch")])
     hf_compiled.forward = torch.compile(hf_compiled.forward, dynamic=False)
     llama = {b: LlamaCpp(gguf_path, n_threads=threads, n_ctx=b * (len(prompt) + n + 16), n_seq_max=b,
                          use_extra_bufts=extra_bufts) for b in args.batches}
     rows = {}
     for batch in args.batches:
         batch_ids = ids.expand(batch, -1).contiguous()
-        calls = {mode_name(q, c): (lambda k, q=q, c=c: _generate(False, models[q], batch_ids, k, c, tokenizer))
-                 for q, c in OURS}
+        calls = {mode_name(q, c, kn): (lambda k, m=models[(q, kn)], c=c: _generate(False, m, batch_ids, k, c, tokenizer))
+                 for q, c, kn in ours}
         calls["transformers eager"] = lambda k: _generate(True, hf, batch_ids, k, False, tokenizer)
         calls["transformers static compiled"] = lambda k: _generate(True, hf_compiled, batch_ids, k, True, tokenizer)
         calls["llama.cpp"] = lambda k: torch.from_numpy(llama[batch].greedy([prompt] * batch, k))
@@ -183,19 +197,20 @@ def fast_table(args) -> dict:
         print(f"timed batch {batch}", file=sys.stderr, flush=True)
 
     blocks, n_bytes = eval_blocks(tokenizer, args.bpb_blocks, args.bpb_block_len)
-    quality = {q: bits_per_byte(ours_nll(models[q], blocks), n_bytes) for q in models}
+    quality = {key: bits_per_byte(ours_nll(m, blocks), n_bytes) for key, m in models.items()}
     llama_bpb = bits_per_byte(llama_nll(LlamaCpp(gguf_path, n_threads=threads, n_ctx=args.bpb_block_len + 16,
                                                  use_extra_bufts=extra_bufts), blocks), n_bytes)
     reference = rows["llama.cpp"]["decode_b1"]
     table = []
-    for engine, compile in engines + [("llama.cpp", False)]:
+    for engine, compile, kernels in engines + [("llama.cpp", False, "torch")]:
         if engine == "llama.cpp":
             name, fig = "llama.cpp", {"load_s": llama_alone["load_s"], "peak_rss_mb": llama_alone["peak_rss_mb"]}
             bpb = llama_bpb
         elif engine == "hf":
-            name, fig, bpb = ("transformers static compiled" if compile else "transformers eager"), alone[(engine, compile)], quality["none"]
+            name = "transformers static compiled" if compile else "transformers eager"
+            fig, bpb = alone[(engine, compile, kernels)], quality[("none", "torch")]
         else:
-            name, fig, bpb = mode_name(engine, compile), alone[(engine, compile)], quality[engine]
+            name, fig, bpb = mode_name(engine, compile, kernels), alone[(engine, compile, kernels)], quality[(engine, kernels)]
         row = rows[name]
         table.append(dict(
             engine=name, decode_b1=row["decode_b1"], decode_b8=row.get("decode_b8"),
@@ -204,9 +219,10 @@ def fast_table(args) -> dict:
             first_call_warm_s=fig.get("warm_first_call_s"), peak_rss_mb=fig["peak_rss_mb"], bits_per_byte=bpb,
         ))
     same = {}
-    for q in models:
-        eager, compiled_ = rows[mode_name(q, False)]["_tokens"], rows[mode_name(q, True)]["_tokens"]
-        same[q] = all(torch.equal(eager[b], compiled_[b]) for b in eager)
+    for q, kernels in models:
+        if mode_name(q, False, kernels) in rows and mode_name(q, True, kernels) in rows:
+            eager, compiled_ = rows[mode_name(q, False, kernels)]["_tokens"], rows[mode_name(q, True, kernels)]["_tokens"]
+            same[q] = all(torch.equal(eager[b], compiled_[b]) for b in eager)
     return {
         "table": table,
         "compiled_tokens_equal_eager": same,
