@@ -5,6 +5,7 @@ values into the cache, is taken only where it applies, stays one in-place call u
 torch.compile, and refuses bad input with a clear error."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -124,14 +125,14 @@ def test_only_blocks_it_fits_take_it(monkeypatch):
     assert len(calls) == 1
 
 
-def test_compiled_it_stays_one_call_that_writes_the_cache_in_place(monkeypatch, tmp_path):
+def test_compiled_it_stays_one_call_that_writes_the_caches_in_place(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model = tiny_model("llama", d_model=64, n_layers=1, quantization="int4", kernels="llm")
-    block = model.blocks[0]
+    model = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="llm")
     cache, x, kwargs = step_inputs(model, 2, 1)
-    eager_cache, before = copy_cache(cache), cache._keys[0].clone()
-    expected = run_block(block, x, eager_cache, kwargs, fused=True)
-    graphs = []
+    eager_cache, before = copy_cache(cache), [k.clone() for k in cache._keys]
+    with torch.no_grad():
+        expected = blocks_module.forward_blocks(model.blocks, x, past_key_values=eager_cache, **kwargs)
+    graphs, code = [], []
 
     def backend(gm, example_inputs):
         graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
@@ -139,17 +140,26 @@ def test_compiled_it_stays_one_call_that_writes_the_cache_in_place(monkeypatch, 
         return compile_fx(gm, example_inputs)
 
     torch._dynamo.reset()
-    step = torch.compile(lambda x, cache, mask, rot, pos: block(x, past_key_values=cache, attn_mask=mask, rotary=rot,
-                                                                cache_position=pos), backend=backend, fullgraph=True)
+    step = torch.compile(lambda x, cache, mask, rot, pos: blocks_module.forward_blocks(
+        model.blocks, x, past_key_values=cache, attn_mask=mask, rotary=rot, cache_position=pos),
+        backend=backend, fullgraph=True)
+    from torch._inductor.utils import run_and_get_code
     with torch.no_grad():
-        out = step(x, cache, kwargs["attn_mask"], kwargs["rotary"], kwargs["cache_position"])
+        out, code = run_and_get_code(step, x, cache, kwargs["attn_mask"], kwargs["rotary"], kwargs["cache_position"])
     torch._dynamo.reset()
-    assert sum("decoder_block" in t for t in graphs[0]) == 1
+    assert sum("decoder_blocks" in t for t in graphs[0]) == 1
+    # inductor calls it on the caches themselves (graph inputs, not buffers): no copy in or out
+    body = code[0][code[0].index("def call("):code[0].index("def benchmark_compiled_module")]
+    calls = [line for line in body.splitlines() if "torch.ops.llm.decoder_blocks" in line]
+    assert len(calls) == 1 and "copy" not in body
+    caches = re.findall(r"\[(arg\d+_1), (arg\d+_1)\]", calls[0])
+    assert len(caches) == 2  # k_caches and v_caches, each a list of two graph inputs
     torch.testing.assert_close(out, expected, atol=1e-5 * float(expected.abs().max()), rtol=0)
-    torch.testing.assert_close(cache._keys[0], eager_cache._keys[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(cache._values[0], eager_cache._values[0], atol=1e-5, rtol=1e-5)
-    changed = (cache._keys[0] != before).any(-1).any(1)  # (batch, capacity): positions written
-    assert changed[:, 20].all() and changed.sum() == 2
+    for layer in range(2):
+        torch.testing.assert_close(cache._keys[layer], eager_cache._keys[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cache._values[layer], eager_cache._values[layer], atol=1e-5, rtol=1e-5)
+        changed = (cache._keys[layer] != before[layer]).any(-1).any(1)  # (batch, capacity): positions written
+        assert changed[:, 20].all() and changed.sum() == 2
 
 
 def test_bad_inputs_are_refused_with_what_was_wrong():
