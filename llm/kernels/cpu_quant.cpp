@@ -60,7 +60,8 @@ bool supported() {
 void check(const at::Tensor& x, const at::Tensor& codes, int64_t n, int64_t bytes_per_block) {
   TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got ", x.sizes());
-  TORCH_CHECK(x.size(1) % kGroup == 0, "x must be (rows, in_features) with in_features % 32 == 0, got ", x.sizes());
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % kGroup == 0,
+              "x must be (rows, in_features) with in_features a positive multiple of 32, got ", x.sizes());
   TORCH_CHECK(codes.is_contiguous() && codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4,
               "codes must be a contiguous (blocks, steps, 16, 4) layout, got ", codes.sizes());
   TORCH_CHECK(codes.size(0) == (n + kLanes - 1) / kLanes && codes.size(1) * 4 * kLanes == bytes_per_block,
@@ -530,7 +531,10 @@ QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, 
   TORCH_CHECK(codes.has_value() && scales.has_value(), name, ": codes and scales are required");
   QWeight w;
   w.n = n, w.k = k, w.blocks = (n + kLanes - 1) / kLanes;
-  TORCH_CHECK(k % kGroup == 0, name, ": in_features ", k, " is not a multiple of 32");
+  TORCH_CHECK(n > 0, name, ": out_features ", n, " must be positive");
+  TORCH_CHECK(k > 0 && k % kGroup == 0, name, ": in_features ", k, " is not a positive multiple of 32");
+  TORCH_CHECK(codes->is_cpu() && scales->is_cpu() && (!mins.has_value() || mins->is_cpu()), name,
+              ": weights must be on the CPU");
   TORCH_CHECK(codes->is_contiguous() && codes->dim() == 4 && codes->size(0) == w.blocks && codes->size(2) == kLanes &&
                   codes->size(3) == 4 && scales->is_contiguous(),
               name, ": codes of shape ", codes->sizes(), " do not match ", n, " outputs of ", k, " inputs");
@@ -581,8 +585,8 @@ at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, doub
                               at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_position_in,
                               const at::Tensor& mask_in, int64_t n_heads, double scale) {
   TORCH_CHECK(supported(), "llm CPU kernels need AVX512-VNNI");
-  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "x must be float32 (batch, seq, d_model), got ",
-              x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.is_cpu(),
+              "x must be a float32 CPU tensor (batch, seq, d_model), got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t L = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(L > 0 && v_caches.size() == k_caches.size() && norms.size() == 2 * k_caches.size() &&
                   weights.size() == 15 * k_caches.size(),
@@ -609,13 +613,14 @@ at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, doub
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
     TORCH_CHECK(kc.sizes() == k0.sizes() && vc.sizes() == k0.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
-                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat,
-                "k_cache and v_cache must be contiguous float32 (batch, kv_n_heads, capacity, head_dim) = ",
+                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_cpu() && vc.is_cpu(),
+                "k_cache and v_cache must be contiguous float32 CPU tensors (batch, kv_n_heads, capacity, head_dim) = ",
                 k0.sizes(), ", got ", kc.sizes(), " and ", vc.sizes(), " for block ", l);
     const at::Tensor &n1 = norms[2 * l], &n2 = norms[2 * l + 1];
     TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && n1.scalar_type() == at::kFloat &&
-                    n2.scalar_type() == at::kFloat && n1.is_contiguous() && n2.is_contiguous(),
-                "norm weights must be contiguous float32 (d_model,)");
+                    n2.scalar_type() == at::kFloat && n1.is_contiguous() && n2.is_contiguous() && n1.is_cpu() &&
+                    n2.is_cpu(),
+                "norm weights must be contiguous float32 CPU tensors (d_model,)");
     const int64_t w = 5 * l;
     Layer& y = layers[l];
     y.wqkv = qweight(weights, w, Nqkv, Dm, "Wqkv"), y.wo = qweight(weights, w + 1, Dm, H * D, "out_proj");
@@ -630,17 +635,22 @@ at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, doub
   at::Tensor cos, sin;
   if (cos_in.has_value()) {
     cos = cos_in->contiguous(), sin = sin_in->contiguous();
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() && cos.dim() == 3 &&
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_cpu() && sin.is_cpu() && cos.sizes() == sin.sizes() &&
+                    cos.dim() == 3 &&
                     (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == S && cos.size(2) == D,
                 "cos and sin must be float32 (batch or 1, seq, head_dim), got ", cos.sizes(), " and ", sin.sizes());
   }
+  TORCH_CHECK(cache_position_in.is_cpu() && !at::isFloatingType(cache_position_in.scalar_type()) &&
+                  cache_position_in.scalar_type() != at::kBool,
+              "cache_position must be an integer CPU tensor, got ", cache_position_in.scalar_type());
   const at::Tensor positions = cache_position_in.to(at::kLong).contiguous();
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == S, "cache_position must be (seq,), got ", positions.sizes());
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(pos[s] >= 0 && pos[s] < T, "cache_position ", pos[s], " is outside the buffer of ", T);
   const at::Tensor mask = mask_in.contiguous();
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == B * S * T,
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_cpu() && mask.dim() == 3 && mask.size(0) == B &&
+                  mask.size(1) == S && mask.size(2) == T,
               "mask must be bool (batch, seq, capacity) = (", B, ", ", S, ", ", T, "), got ", mask.sizes());
 
   at::Tensor out = x_in.contiguous().clone();

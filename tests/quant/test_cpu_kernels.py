@@ -104,8 +104,10 @@ def test_the_kernels_run_on_torchs_threads():
 
 def test_kernels_raise_clear_errors_on_bad_layouts():
     codes = cpu_quant.pack_int8(torch.zeros(16, 64, dtype=torch.int8))
-    with pytest.raises(RuntimeError, match="in_features % 32 == 0"):
+    with pytest.raises(RuntimeError, match="in_features a positive multiple of 32"):
         cpu_quant.int8_linear(torch.randn(2, 48), codes, torch.ones(16), 16)
+    with pytest.raises(RuntimeError, match="in_features a positive multiple of 32"):  # 0 once divided by zero
+        cpu_quant.int8_linear(torch.randn(2, 0), codes, torch.ones(16), 16)
     with pytest.raises(RuntimeError, match="do not match 16 outputs of 96 inputs"):
         cpu_quant.int8_linear(torch.randn(2, 96), codes, torch.ones(16), 16)
     int4 = cpu_quant.pack_int4(torch.zeros(16, 96, dtype=torch.uint8), torch.ones(16, 3), torch.ones(16, 3))

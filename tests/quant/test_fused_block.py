@@ -123,6 +123,12 @@ def test_only_blocks_it_fits_take_it(monkeypatch):
     cache, _, kwargs = step_inputs(model, 2, 1)
     model.blocks[0](x[:, :1], past_key_values=cache, **kwargs)  # a gradient is wanted
     assert len(calls) == 1
+    cache, x, kwargs = step_inputs(model, 2, 1)
+    out = model.blocks[0](x, past_key_values=cache, **kwargs)  # the norms' weights want one
+    assert len(calls) == 1 and out.requires_grad
+    with torch.no_grad():
+        model.blocks[0](x, past_key_values=cache, **kwargs)
+    assert len(calls) == 2
 
 
 def test_compiled_it_stays_one_call_that_writes_the_caches_in_place(monkeypatch, tmp_path):
@@ -179,9 +185,17 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
         (dict(weights=weights[:12]), "15 weights each: got 1, 1, 2 and 12"),
         (dict(k_caches=[keys, keys], v_caches=[values, values]), "15 weights each: got 2, 2, 2 and 15"),
         (dict(v_caches=[values[:, :, :-1]]), r"k_cache and v_cache must be contiguous float32 .* for block 0"),
-        (dict(norms=[norms[0], norms[1][:-1]]), r"norm weights must be contiguous float32 \(d_model,\)"),
-        (dict(x=x.double()), "x must be float32"),
+        (dict(norms=[norms[0], norms[1][:-1]]), r"norm weights must be contiguous float32 CPU tensors \(d_model,\)"),
+        (dict(x=x.double()), "x must be a float32 CPU tensor"),
         (dict(mask=mask[..., :-1]), r"mask must be bool \(batch, seq, capacity\)"),
+        (dict(mask=mask.reshape(2, 48, 1)), r"mask must be bool \(batch, seq, capacity\) = \(2, 1, 48\)"),
+        (dict(cache_position=torch.tensor([20.7])), "cache_position must be an integer CPU tensor"),
+        # a block whose FFN has no inputs (hidden 0) once divided by zero (SIGFPE)
+        (dict(out_features=[128, 64, 0, 0, 64], weights=weights[:6] + [torch.zeros(0, 8, 16, 4, dtype=torch.uint8),
+                                                                      torch.zeros(0, 2, 16, dtype=torch.half),
+                                                                      torch.zeros(0, 2, 16, dtype=torch.half)] * 2
+          + [torch.zeros(4, 0, 16, 4, dtype=torch.uint8), torch.zeros(4, 0, 16, dtype=torch.half),
+             torch.zeros(4, 0, 16, dtype=torch.half)]), "gate_proj: out_features 0 must be positive"),
         (dict(n_heads=3), "n_heads 3 must be a multiple of kv_n_heads 2"),
         (dict(out_features=[96, 64, 100, 100, 64]), "do not fit d_model 64"),
         (dict(cos=rot.cos[:, 0, :, :8], sin=rot.sin[:, 0, :, :8]), "cos and sin must be float32"),
