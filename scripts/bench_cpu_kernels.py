@@ -1,7 +1,9 @@
 """Our CPU int4/int8 kernels (llm/kernels/cpu_quant.cpp) against torch's, on SmolLM2's GGUF file,
-next to llama.cpp: decode tokens/s at batch 1, prefill tokens/s and held-out bits per byte, the
-engines taking turns in one process. Needs llama-cpp-python: run it with
-`.venv-peers/bin/python scripts/bench_cpu_kernels.py` after `make bench-peers`, alone on the machine.
+next to llama.cpp: decode tokens/s at batch 1 (timed inside each call, from the first new token to
+the last; the median of rounds, and the median of the per-round ratios to llama.cpp), prefill
+tokens/s and held-out bits per byte, the engines taking turns in one process. Needs
+llama-cpp-python: run it with `.venv-peers/bin/python scripts/bench_cpu_kernels.py` after
+`make bench-peers`, alone on the machine.
 """
 
 import argparse
@@ -12,8 +14,9 @@ import tempfile
 import torch
 
 from llm.formats.registry import load_tokenizer, resolve
-from llm.generation.bench import _timed_interleaved
-from llm.generation.bench_fast import _generate, bits_per_byte, eval_blocks, llama_nll, load_ours, ours_nll, prompt_ids
+from llm.generation.bench import _timed_interleaved, decode_rounds, median
+from llm.generation.bench_fast import (_generate, bits_per_byte, clocked, eval_blocks, llama_nll, load_ours, ours_nll,
+                                       prompt_ids)
 from llm.generation.peers import LlamaCpp, llama_cpp_missing
 from llm.kernels import cpu_quant
 
@@ -22,7 +25,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pretrained", default="smollm2-135m-instruct")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of every engine taking turns")
     parser.add_argument("--bpb-blocks", type=int, default=8)
     parser.add_argument("--bpb-block-len", type=int, default=256)
     parser.add_argument("--engine", action="append", default=[],
@@ -50,25 +53,29 @@ def main(argv=None) -> int:
                 models[name] = load_ours(args.pretrained, name.split(",")[0])
     threads = torch.get_num_threads()
     llama = LlamaCpp(path, n_threads=threads, n_ctx=len(prompt) + n + 16, n_seq_max=1)
-    calls = {row: (lambda k, m=models[row.removesuffix(" compiled")], c=row.endswith(" compiled"):
-                   _generate(False, m, ids, k, c, tokenizer)) for row in rows}
-    calls["llama.cpp"] = lambda k: torch.from_numpy(llama.greedy([prompt], k))
+    calls = {row: (lambda k, clock=None, m=models[row.removesuffix(" compiled")], c=row.endswith(" compiled"):
+                   _generate(False, m, ids, k, c, tokenizer, clock)) for row in rows}
+    calls["llama.cpp"] = lambda k, clock=None: torch.from_numpy(llama.greedy([prompt], k, on_token=clock and clock.tick))
     for call in calls.values():
         call(2)  # compile (and warm) before timing
     names = list(calls)
     first = _timed_interleaved([lambda f=calls[m]: f(1) for m in names], args.repeats, min_total_s=1.0)
-    full = _timed_interleaved([lambda f=calls[m]: f(n) for m in names], args.repeats, min_total_s=1.0)
-    decode = {m: (n - 1) / max(tn - t1, 1e-9) for m, (t1, _), (tn, _) in zip(names, first, full)}
+    decoded = dict(zip(names, decode_rounds([lambda f=clocked(calls[m], 1): f(n) for m in names], args.repeats)))
+    decode = {m: median(rates) for m, (rates, _) in decoded.items()}
+    ratio = {m: median([r / ref for r, ref in zip(rates, decoded["llama.cpp"][0])]) for m, (rates, _) in decoded.items()}
     blocks, n_bytes = eval_blocks(tokenizer, args.bpb_blocks, args.bpb_block_len)
     bpb = {name: bits_per_byte(ours_nll(m, blocks), n_bytes) for name, m in models.items()}
     bpb["llama.cpp"] = bits_per_byte(llama_nll(LlamaCpp(path, n_threads=threads, n_ctx=args.bpb_block_len + 16),
                                                blocks), n_bytes)
+    print(f"decode: median of {args.repeats} rounds taking turns, {n} new tokens, timed from the first new token "
+          "to the last; vs llama.cpp: median of the per-round ratios (range in brackets)\n")
     print("| engine | decode tok/s, batch 1 | vs llama.cpp | prefill tok/s | bits per byte |")
     print("| --- | --- | --- | --- | --- |")
     for m, (t1, _) in zip(names, first):
         quality = bpb.get(m.removesuffix(" compiled"))
-        print(f"| {m} | {decode[m]:.1f} | {decode[m] / decode['llama.cpp']:.2f} | {len(prompt) / t1:.0f} | "
-              f"{quality:.4f} |")
+        ratios = [r / ref for r, ref in zip(decoded[m][0], decoded["llama.cpp"][0])]
+        print(f"| {m} | {decode[m]:.1f} | {ratio[m]:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+              f"{len(prompt) / t1:.0f} | {quality:.4f} |")
     return 0
 
 

@@ -51,6 +51,77 @@ def _timed_interleaved(fns, repeats: int, min_total_s: float = 2.0, max_repeats:
     return list(zip(best, results))
 
 
+class TokenClock:
+    """A streamer (transformers' ``put``/``end`` protocol, which our :func:`generate` and
+    transformers' ``generate`` both call) that notes when each step's new tokens arrive.
+
+    The first ``put`` is the prompt and is skipped; every later one (or :meth:`tick`, for engines
+    that call back with new ids only, as :meth:`llm.generation.peers.LlamaCpp.greedy`) records
+    ``time.perf_counter()`` and the tokens per row it brought (``ids``' elements / ``batch``).
+
+    Args:
+        batch: rows decoded side by side.
+    """
+
+    def __init__(self, batch: int = 1):
+        self.batch, self.times, self.tokens, self._prompt_seen = batch, [], [], False
+
+    def put(self, ids) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.tick(ids)
+
+    def tick(self, ids) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(max(1, _numel(ids) // self.batch))
+
+    def end(self) -> None:
+        pass
+
+    def decode_tokens_per_s(self) -> float:
+        """New tokens of all rows after the first step's, per second from that step to the last
+        (nan with fewer than two steps): the decode rate without the prefill, measured inside
+        one call, so that neither the prefill's time nor its noise lands on it."""
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return float("nan")
+        return self.batch * sum(self.tokens[1:]) / (self.times[-1] - self.times[0])
+
+
+def _numel(ids) -> int:
+    n = 1
+    for size in ids.shape:
+        n *= int(size)
+    return n
+
+
+def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
+    """Decode rates of calls taking turns (a, b, a, b, ...), one warm-up round, then ``rounds``.
+
+    Args:
+        fns: callables returning (result, decode tokens/s of that call), e.g. from a
+            :class:`TokenClock`.
+
+    Returns:
+        One (the rate of every timed round, in order; the last result) per call. Compare engines
+        by the median of their per-round ratios: a slow spell of a shared machine then falls on
+        both sides of each ratio.
+    """
+    results = [fn()[0] for fn in fns]
+    rates = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            results[i], rate = fn()
+            rates[i].append(rate)
+    return list(zip(rates, results))
+
+
+def median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def copy_prompt(tokenizer, max_tokens: int | None) -> str:
     """A prompt whose natural continuation repeats a passage of held-out Shakespeare.
 
@@ -241,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-model", default="runs/shakespeare-draft/model", help="its draft model (skipped if absent)")
     p.add_argument("--pretrained", default="smollm2-135m-instruct", help="a pretrained model; 'none' to skip")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds of the calls taking turns (--fast: 5)")
     p.add_argument("--lookup-tokens", type=int, default=10)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--skip-transformers", action="store_true", help="skip the side-by-side with transformers")
@@ -266,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         from llm.generation.bench_fast import fast_table, print_fast
 
         args.new_tokens = 64 if args.new_tokens == p.get_default("new_tokens") else args.new_tokens
+        args.repeats = 5 if args.repeats == p.get_default("repeats") else args.repeats
         results = {"fast": fast_table(args)}
         print_fast(results["fast"])
     elif args.linear:

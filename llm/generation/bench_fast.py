@@ -9,8 +9,11 @@ generate of one token), load time and peak RSS (each engine loaded and run in a 
 own: :func:`llm.generation.peers.child_peak_rss`), the first call's seconds in a fresh process
 with inductor's disk cache cold and warm (compiled modes), and held-out bits per byte on the
 Shakespeare validation plays (the same blocks of the model's tokens for every engine, llama.cpp's
-from its own logits). The batch-1 decoding of all engines takes turns in one process (a slow
-spell of the machine falls on all of them); llama.cpp is also timed alone in a process without
+from its own logits). The decoding of all engines takes turns in one process (a slow spell of the
+machine falls on all of them), round after round; the decode rate of a call is timed inside it,
+from its first new token to its last (:class:`~llm.generation.bench.TokenClock`), so the prefill
+and its noise stay out of it. Each engine's figure is the median over the rounds, and its ratio to
+llama.cpp the median of the per-round ratios. llama.cpp is also timed alone in a process without
 torch, to check that sharing a process does not slow it.
 """
 
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 
 from llm.formats.registry import load_tokenizer, resolve
 from llm.data import load_corpus
-from llm.generation.bench import _timed_interleaved, hf_llama, markdown
+from llm.generation.bench import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, median
 from llm.generation.generate import generate
 from llm.generation.peers import LlamaCpp, child_peak_rss, extra_bufts_usable, llama_cpp_missing, run_alone
 from llm.kernels import cpu_quant
@@ -109,16 +112,26 @@ def _child(args) -> int:
     return 0
 
 
-def _generate(hf: bool, model, ids, n: int, compile: bool, tokenizer):
+def _generate(hf: bool, model, ids, n: int, compile: bool, tokenizer, streamer=None):
     if not hf:
-        return generate(model, ids, max_new_tokens=n, do_sample=False, compile=compile)
+        return generate(model, ids, max_new_tokens=n, do_sample=False, compile=compile, streamer=streamer)
     from transformers import StaticCache as HFStaticCache
 
     cache = (HFStaticCache(config=model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[1] + n)
              if compile else None)
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                              min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                              streamer=streamer)
+
+
+def clocked(call, batch: int):
+    """``call(k, streamer)`` (``k`` new tokens) as a ``decode_rounds`` entry: returns (result,
+    decode tokens/s measured by a :class:`TokenClock` inside that call)."""
+    def run(k: int):
+        clock = TokenClock(batch)
+        return call(k, clock), clock.decode_tokens_per_s()
+    return run
 
 
 def _in_child(args, engine: str, compile: bool, cache_dir: str, kernels: str = "torch") -> dict:
@@ -179,17 +192,23 @@ def fast_table(args) -> dict:
     rows = {}
     for batch in args.batches:
         batch_ids = ids.expand(batch, -1).contiguous()
-        calls = {mode_name(q, c, kn): (lambda k, m=models[(q, kn)], c=c: _generate(False, m, batch_ids, k, c, tokenizer))
-                 for q, c, kn in ours}
-        calls["transformers eager"] = lambda k: _generate(True, hf, batch_ids, k, False, tokenizer)
-        calls["transformers static compiled"] = lambda k: _generate(True, hf_compiled, batch_ids, k, True, tokenizer)
-        calls["llama.cpp"] = lambda k: torch.from_numpy(llama[batch].greedy([prompt] * batch, k))
+        calls = {mode_name(q, c, kn): (lambda k, clock=None, m=models[(q, kn)], c=c:
+                                       _generate(False, m, batch_ids, k, c, tokenizer, clock)) for q, c, kn in ours}
+        calls["transformers eager"] = lambda k, clock=None: _generate(True, hf, batch_ids, k, False, tokenizer, clock)
+        calls["transformers static compiled"] = lambda k, clock=None: _generate(True, hf_compiled, batch_ids, k, True,
+                                                                                tokenizer, clock)
+        calls["llama.cpp"] = lambda k, clock=None: torch.from_numpy(
+            llama[batch].greedy([prompt] * batch, k, on_token=clock and clock.tick))
         names = list(calls)
         first = _timed_interleaved([lambda f=calls[m]: f(1) for m in names], args.repeats, min_total_s=1.0)
-        full = _timed_interleaved([lambda f=calls[m]: f(n) for m in names], args.repeats, min_total_s=1.0)
-        for name, (t1, _), (tn, out) in zip(names, first, full):
+        decoded = decode_rounds([lambda f=clocked(calls[m], batch): f(n) for m in names], args.repeats)
+        reference = decoded[names.index("llama.cpp")][0]
+        for name, (t1, _), (rates, out) in zip(names, first, decoded):
             row = rows.setdefault(name, {"engine": name})
-            row[f"decode_b{batch}"] = batch * (n - 1) / max(tn - t1, 1e-9)
+            row[f"decode_b{batch}"] = median(rates)
+            ratios = [r / ref for r, ref in zip(rates, reference)]
+            row[f"vs_llama_cpp_b{batch}"] = median(ratios)
+            row[f"range_b{batch}"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
             new = out[:, -n:] if name != "llama.cpp" else out
             row.setdefault("_tokens", {})[batch] = new
             if batch == 1:
@@ -200,7 +219,6 @@ def fast_table(args) -> dict:
     quality = {key: bits_per_byte(ours_nll(m, blocks), n_bytes) for key, m in models.items()}
     llama_bpb = bits_per_byte(llama_nll(LlamaCpp(gguf_path, n_threads=threads, n_ctx=args.bpb_block_len + 16,
                                                  use_extra_bufts=extra_bufts), blocks), n_bytes)
-    reference = rows["llama.cpp"]["decode_b1"]
     table = []
     for engine, compile, kernels in engines + [("llama.cpp", False, "torch")]:
         if engine == "llama.cpp":
@@ -214,7 +232,7 @@ def fast_table(args) -> dict:
         row = rows[name]
         table.append(dict(
             engine=name, decode_b1=row["decode_b1"], decode_b8=row.get("decode_b8"),
-            vs_llama_cpp=row["decode_b1"] / reference, prefill=row["prefill"], ttft_s=row["ttft_s"],
+            vs_llama_cpp=row["vs_llama_cpp_b1"], vs_range=row["range_b1"], prefill=row["prefill"], ttft_s=row["ttft_s"],
             load_s=fig["load_s"], first_call_cold_s=fig.get("first_call_s") if compile else None,
             first_call_warm_s=fig.get("warm_first_call_s"), peak_rss_mb=fig["peak_rss_mb"], bits_per_byte=bpb,
         ))
@@ -227,7 +245,7 @@ def fast_table(args) -> dict:
         "table": table,
         "compiled_tokens_equal_eager": same,
         "llama_cpp_alone_decode": llama_alone["decode_tokens_per_s"],
-        "llama_cpp_in_process_decode": reference,
+        "llama_cpp_in_process_decode": rows["llama.cpp"]["decode_b1"],
         "llama_cpp_extra_bufts": extra_bufts,
         "threads": threads, "prompt_tokens": len(prompt), "new_tokens": n,
         "bpb_tokens": args.bpb_blocks * (args.bpb_block_len - 1), "bpb_bytes": n_bytes,
@@ -237,6 +255,8 @@ def fast_table(args) -> dict:
 def print_fast(results: dict) -> None:
     print(f"## Fast decoding, {results['threads']} threads, prompt {results['prompt_tokens']} tokens, "
           f"{results['new_tokens']} new (greedy)\n")
+    print(f"decode: tokens/s from each call's first new token to its last, the median of the rounds taking turns; "
+          f"vs_llama_cpp: the median of the per-round ratios at batch 1 (vs_range: their range)\n")
     print(markdown(results["table"]))
     print(f"\nllama.cpp decode at batch 1: {results['llama_cpp_in_process_decode']:.1f} tokens/s in this process, "
           f"{results['llama_cpp_alone_decode']:.1f} alone; extra buffer types: {results['llama_cpp_extra_bufts']}")

@@ -400,7 +400,7 @@ struct Attention {
   const float* v;
   const bool* mask;   // (B, S, T)
   const float* bias;  // (B, H, S, T) or null
-  int64_t B, KV, S, G, D, T, pairs, parts, span;
+  int64_t B, KV, S, G, D, T, used, pairs, parts, span;
   float scale;
   std::vector<float> top, total, acc;
 
@@ -408,9 +408,18 @@ struct Attention {
             int64_t KV_, int64_t S_, int64_t G_, int64_t D_, int64_t T_, float scale_, int64_t threads)
       : q(q_), k(k_), v(v_), mask(mask_), bias(bias_), B(B_), KV(KV_), S(S_), G(G_), D(D_), T(T_), scale(scale_) {
     pairs = B * KV * S;
+    // keys past the last one any query may see are never touched: a static buffer is mostly
+    // unwritten, and splitting the whole buffer gave the parts near its end nothing to do
+    used = 0;
+    for (int64_t r = 0; r < B * S; ++r)
+      for (int64_t j = T - 1; j >= used; --j)
+        if (mask[r * T + j]) {
+          used = j + 1;
+          break;
+        }
     // parts of at least 64 keys, enough for two tasks a thread
-    parts = std::max<int64_t>(1, std::min<int64_t>(T / 64, (2 * threads + pairs - 1) / pairs));
-    span = (T + parts - 1) / parts;
+    parts = std::max<int64_t>(1, std::min<int64_t>(used / 64, (2 * threads + pairs - 1) / pairs));
+    span = (used + parts - 1) / parts;
     top.resize(pairs * parts * G);
     total.resize(pairs * parts * G);
     acc.resize(pairs * parts * G * D);
@@ -421,7 +430,7 @@ struct Attention {
   // Task t = pair * parts + part; s: G * span floats of scratch.
   void task(int64_t t, float* s) {
     const int64_t pair = t / parts, b = pair / (KV * S), h = (pair / S) % KV, i = pair % S;
-    const int64_t j0 = (t % parts) * span, j1 = std::min(T, j0 + span);
+    const int64_t j0 = std::min(used, (t % parts) * span), j1 = std::min(used, j0 + span);
     const float* kt = k + (b * KV + h) * T * D;
     const float* vt = v + (b * KV + h) * T * D;
     const bool* mt = mask + (b * S + i) * T;

@@ -1,8 +1,12 @@
 """The benchmark's timing helpers: calls that are compared take turns, and each keeps its own best."""
 
+import math
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 from llm.generation.bench import _timed_interleaved, linear_table
 from tests.conftest import tiny_model
@@ -67,3 +71,51 @@ def test_the_fast_table_without_llama_cpp_says_how_to_get_it():
 
     with pytest.raises(SystemExit, match="make bench-peers"):
         main(["--fast"])
+
+
+def test_token_clock_skips_the_prompt_and_times_from_the_first_new_token_to_the_last(monkeypatch):
+    from llm.generation.bench import TokenClock
+
+    now = iter([10.0, 10.5, 11.0, 12.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(now))
+    clock = TokenClock(batch=2)
+    clock.put(torch.zeros(2, 7))  # the prompt: not a step
+    for _ in range(3):
+        clock.put(torch.zeros(2))  # transformers' shape: (batch,) a step
+    clock.tick(np.zeros((2, 2)))  # two tokens a row at once
+    clock.end()
+    assert clock.times == [10.0, 10.5, 11.0, 12.0] and clock.tokens == [1, 1, 1, 2]
+    assert clock.decode_tokens_per_s() == 2 * (1 + 1 + 2) / 2.0
+    one = TokenClock()
+    one.put(torch.zeros(1, 3))
+    assert math.isnan(one.decode_tokens_per_s())
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_token_clock_sees_every_new_token_of_our_generate_and_of_transformers(hf):
+    from llm.generation.bench import TokenClock, hf_llama
+    from llm.generation.bench_fast import _generate
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    clock = TokenClock(batch=3)
+    out = _generate(hf, hf_llama(model) if hf else model, ids, 6, False, SimpleNamespace(pad_token_id=0), clock)
+    assert out.shape == (3, 11)
+    assert clock.tokens == [1] * 6 and clock.decode_tokens_per_s() > 0
+
+
+def test_decode_rounds_take_turns_after_a_warm_up_and_keep_every_rate():
+    from llm.generation.bench import decode_rounds, median
+
+    order, rates = [], iter([9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+
+    def call(name):
+        def run():
+            order.append(name)
+            return f"{name}{len(order)}", next(rates)
+        return run
+
+    (a, last_a), (b, last_b) = decode_rounds([call("a"), call("b")], rounds=3)
+    assert order == ["a", "b"] * 4 and (last_a, last_b) == ("a7", "b8")
+    assert a == [1.0, 3.0, 5.0] and b == [2.0, 4.0, 6.0]
+    assert median(a) == 3.0 and median([4.0, 1.0, 3.0, 2.0]) == 2.5
