@@ -96,7 +96,8 @@ def _numel(ids) -> int:
 
 
 def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
-    """Decode rates of calls taking turns (a, b, a, b, ...), one warm-up round, then ``rounds``.
+    """Decode rates of calls taking turns, one warm-up round, then ``rounds``; each round starts
+    one call further on (a, b, c; b, c, a; ...), so that no call always follows the same one.
 
     Args:
         fns: callables returning (result, decode tokens/s of that call), e.g. from a
@@ -106,12 +107,17 @@ def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
         One (the rate of every timed round, in order; the last result) per call. Compare engines
         by the median of their per-round ratios: a slow spell of a shared machine then falls on
         both sides of each ratio.
+
+    Raises:
+        ValueError: if a call gives no finite positive rate (fewer than two steps timed).
     """
     results = [fn()[0] for fn in fns]
     rates = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            results[i], rate = fn()
+    for r in range(rounds):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            results[i], rate = fns[i]()
+            if not rate > 0 or rate == float("inf"):
+                raise ValueError(f"call {i} of round {r} gave no decode rate ({rate}): it timed fewer than two steps")
             rates[i].append(rate)
     return list(zip(rates, results))
 

@@ -114,7 +114,9 @@ def _child(args) -> int:
 
 def _generate(hf: bool, model, ids, n: int, compile: bool, tokenizer, streamer=None):
     if not hf:
-        return generate(model, ids, max_new_tokens=n, do_sample=False, compile=compile, streamer=streamer)
+        # never stopping early, as transformers' min_new_tokens and llama.cpp's greedy below
+        return generate(model, ids, max_new_tokens=n, do_sample=False, compile=compile, streamer=streamer,
+                        eos_token_id=None, stop_strings=None)
     from transformers import StaticCache as HFStaticCache
 
     cache = (HFStaticCache(config=model.config, max_batch_size=ids.shape[0], max_cache_len=ids.shape[1] + n)

@@ -104,10 +104,10 @@ def test_token_clock_sees_every_new_token_of_our_generate_and_of_transformers(hf
     assert clock.tokens == [1] * 6 and clock.decode_tokens_per_s() > 0
 
 
-def test_decode_rounds_take_turns_after_a_warm_up_and_keep_every_rate():
+def test_decode_rounds_take_turns_after_a_warm_up_rotating_who_goes_first_and_keep_every_rate():
     from llm.generation.bench import decode_rounds, median
 
-    order, rates = [], iter([9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    order, rates = [], iter([9.0, 9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.5])
 
     def call(name):
         def run():
@@ -115,7 +115,17 @@ def test_decode_rounds_take_turns_after_a_warm_up_and_keep_every_rate():
             return f"{name}{len(order)}", next(rates)
         return run
 
-    (a, last_a), (b, last_b) = decode_rounds([call("a"), call("b")], rounds=3)
-    assert order == ["a", "b"] * 4 and (last_a, last_b) == ("a7", "b8")
-    assert a == [1.0, 3.0, 5.0] and b == [2.0, 4.0, 6.0]
-    assert median(a) == 3.0 and median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    (a, last_a), (b, last_b), (c, last_c) = decode_rounds([call("a"), call("b"), call("c")], rounds=3)
+    # the warm-up, then rounds starting at a, b and c in turn: no call always follows the same one
+    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert (last_a, last_b, last_c) == ("a11", "b12", "c10")
+    assert a == [1.0, 6.0, 8.0] and b == [2.0, 4.0, 9.5] and c == [3.0, 5.0, 7.0]
+    assert median(a) == 6.0 and median([4.0, 1.0, 3.0, 2.0]) == 2.5
+
+
+@pytest.mark.parametrize("rate", [float("nan"), 0.0, float("inf")])
+def test_decode_rounds_refuse_a_call_that_timed_no_decoding(rate):
+    from llm.generation.bench import decode_rounds
+
+    with pytest.raises(ValueError, match=r"call 1 of round 0 gave no decode rate .*fewer than two steps"):
+        decode_rounds([lambda: (None, 5.0), lambda: (None, rate)], rounds=2)
