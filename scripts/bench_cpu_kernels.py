@@ -8,13 +8,14 @@ llama-cpp-python: run it with `.venv-peers/bin/python scripts/bench_cpu_kernels.
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 
 import torch
 
 from llm.formats.registry import load_tokenizer, resolve
-from llm.generation.bench import _timed_interleaved, decode_rounds, median
+from llm.generation.bench import _timed_interleaved, decode_rounds, versus
 from llm.generation.bench_fast import (_generate, bits_per_byte, clocked, eval_blocks, llama_nll, load_ours, ours_nll,
                                        prompt_ids)
 from llm.generation.peers import LlamaCpp, llama_cpp_missing
@@ -61,8 +62,6 @@ def main(argv=None) -> int:
     names = list(calls)
     first = _timed_interleaved([lambda f=calls[m]: f(1) for m in names], args.repeats, min_total_s=1.0)
     decoded = dict(zip(names, decode_rounds([lambda f=clocked(calls[m], 1): f(n) for m in names], args.repeats)))
-    decode = {m: median(rates) for m, (rates, _) in decoded.items()}
-    ratio = {m: median([r / ref for r, ref in zip(rates, decoded["llama.cpp"][0])]) for m, (rates, _) in decoded.items()}
     blocks, n_bytes = eval_blocks(tokenizer, args.bpb_blocks, args.bpb_block_len)
     bpb = {name: bits_per_byte(ours_nll(m, blocks), n_bytes) for name, m in models.items()}
     bpb["llama.cpp"] = bits_per_byte(llama_nll(LlamaCpp(path, n_threads=threads, n_ctx=args.bpb_block_len + 16),
@@ -73,8 +72,8 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- |")
     for m, (t1, _) in zip(names, first):
         quality = bpb.get(m.removesuffix(" compiled"))
-        ratios = [r / ref for r, ref in zip(decoded[m][0], decoded["llama.cpp"][0])]
-        print(f"| {m} | {decode[m]:.1f} | {ratio[m]:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+        mid, low, high = versus(decoded[m][0], decoded["llama.cpp"][0])
+        print(f"| {m} | {statistics.median(decoded[m][0]):.1f} | {mid:.2f} ({low:.2f}-{high:.2f}) | "
               f"{len(prompt) / t1:.0f} | {quality:.4f} |")
     return 0
 

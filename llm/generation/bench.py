@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -74,7 +76,7 @@ class TokenClock:
 
     def tick(self, ids) -> None:
         self.times.append(time.perf_counter())
-        self.tokens.append(max(1, _numel(ids) // self.batch))
+        self.tokens.append(max(1, math.prod(ids.shape) // self.batch))
 
     def end(self) -> None:
         pass
@@ -88,13 +90,6 @@ class TokenClock:
         return self.batch * sum(self.tokens[1:]) / (self.times[-1] - self.times[0])
 
 
-def _numel(ids) -> int:
-    n = 1
-    for size in ids.shape:
-        n *= int(size)
-    return n
-
-
 def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
     """Decode rates of calls taking turns, one warm-up round, then ``rounds``; each round starts
     one call further on (a, b, c; b, c, a; ...), so that no call always follows the same one.
@@ -105,8 +100,8 @@ def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
 
     Returns:
         One (the rate of every timed round, in order; the last result) per call. Compare engines
-        by the median of their per-round ratios: a slow spell of a shared machine then falls on
-        both sides of each ratio.
+        by the median of their per-round ratios (:func:`versus`): a slow spell of a shared machine
+        then falls on both sides of each ratio.
 
     Raises:
         ValueError: if a call gives no finite positive rate (fewer than two steps timed).
@@ -116,16 +111,17 @@ def decode_rounds(fns, rounds: int) -> list[tuple[list[float], object]]:
     for r in range(rounds):
         for i in [(r + j) % len(fns) for j in range(len(fns))]:
             results[i], rate = fns[i]()
-            if not rate > 0 or rate == float("inf"):
+            if not (math.isfinite(rate) and rate > 0):
                 raise ValueError(f"call {i} of round {r} gave no decode rate ({rate}): it timed fewer than two steps")
             rates[i].append(rate)
     return list(zip(rates, results))
 
 
-def median(values) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def versus(rates: list[float], reference: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) of the per-round ratios ``rates[r] / reference[r]`` of two
+    :func:`decode_rounds` entries."""
+    ratios = [r / ref for r, ref in zip(rates, reference, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def copy_prompt(tokenizer, max_tokens: int | None) -> str:

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from llm.formats.registry import load_tokenizer, resolve
 from llm.data import load_corpus
-from llm.generation.bench import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, median
+from llm.generation.bench import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, versus
 from llm.generation.generate import generate
 from llm.generation.peers import LlamaCpp, child_peak_rss, extra_bufts_usable, llama_cpp_missing, run_alone
 from llm.kernels import cpu_quant
@@ -207,10 +208,9 @@ def fast_table(args) -> dict:
         reference = decoded[names.index("llama.cpp")][0]
         for name, (t1, _), (rates, out) in zip(names, first, decoded):
             row = rows.setdefault(name, {"engine": name})
-            row[f"decode_b{batch}"] = median(rates)
-            ratios = [r / ref for r, ref in zip(rates, reference)]
-            row[f"vs_llama_cpp_b{batch}"] = median(ratios)
-            row[f"range_b{batch}"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            mid, low, high = versus(rates, reference)
+            row[f"decode_b{batch}"] = statistics.median(rates)
+            row[f"vs_llama_cpp_b{batch}"], row[f"range_b{batch}"] = mid, f"{low:.2f}-{high:.2f}"
             new = out[:, -n:] if name != "llama.cpp" else out
             row.setdefault("_tokens", {})[batch] = new
             if batch == 1:

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         llama.greedy([prompt], args.new_tokens, on_token=lambda ids: times.append(time.perf_counter()))
         rates.append((args.new_tokens - 1) / max(times[-1] - times[0], 1e-9))
     print(json.dumps({"load_s": llama.load_seconds, "ttft_s": ttft, "tokens": tokens[0].tolist(),
-                      "decode_tokens_per_s": sorted(rates)[1]}))
+                      "decode_tokens_per_s": statistics.median(rates)}))
     llama.close()
     return 0
 

@@ -105,7 +105,7 @@ def test_token_clock_sees_every_new_token_of_our_generate_and_of_transformers(hf
 
 
 def test_decode_rounds_take_turns_after_a_warm_up_rotating_who_goes_first_and_keep_every_rate():
-    from llm.generation.bench import decode_rounds, median
+    from llm.generation.bench import decode_rounds, versus
 
     order, rates = [], iter([9.0, 9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.5])
 
@@ -120,7 +120,10 @@ def test_decode_rounds_take_turns_after_a_warm_up_rotating_who_goes_first_and_ke
     assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert (last_a, last_b, last_c) == ("a11", "b12", "c10")
     assert a == [1.0, 6.0, 8.0] and b == [2.0, 4.0, 9.5] and c == [3.0, 5.0, 7.0]
-    assert median(a) == 6.0 and median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    # each round's rate against the same round's rate of the reference
+    assert versus(a, c) == (8.0 / 7.0, 1.0 / 3.0, 6.0 / 5.0)  # ratios 1/3, 6/5, 8/7
+    with pytest.raises(ValueError):
+        versus(a, c[:2])  # rounds that do not pair up
 
 
 @pytest.mark.parametrize("rate", [float("nan"), 0.0, float("inf")])
