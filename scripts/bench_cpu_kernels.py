@@ -32,6 +32,9 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", action="append", default=[],
                         help="a row to run besides llama.cpp, e.g. 'gguf, ours compiled' (repeatable; default: all)")
     args = parser.parse_args(argv)
+    if args.repeats < 1 or args.new_tokens < 2:
+        parser.error(f"--repeats must be >= 1 and --new-tokens >= 2 (a decode rate needs two new tokens), "
+                     f"got {args.repeats} and {args.new_tokens}")
     for why in (llama_cpp_missing(), cpu_quant.unavailable()):
         if why:
             parser.error(why)

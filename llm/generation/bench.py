@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
 
         args.new_tokens = 64 if args.new_tokens == p.get_default("new_tokens") else args.new_tokens
         args.repeats = 5 if args.repeats == p.get_default("repeats") else args.repeats
+        if args.repeats < 1 or args.new_tokens < 2:
+            p.error(f"--fast needs --repeats >= 1 and --new-tokens >= 2 (a decode rate needs two new tokens), "
+                    f"got {args.repeats} and {args.new_tokens}")
         results = {"fast": fast_table(args)}
         print_fast(results["fast"])
     elif args.linear:

@@ -132,3 +132,12 @@ def test_decode_rounds_refuse_a_call_that_timed_no_decoding(rate):
 
     with pytest.raises(ValueError, match=r"call 1 of round 0 gave no decode rate .*fewer than two steps"):
         decode_rounds([lambda: (None, 5.0), lambda: (None, rate)], rounds=2)
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--new-tokens", "1"]])
+def test_the_fast_table_refuses_settings_that_time_no_decoding(argv, capsys):
+    from llm.generation.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--fast", *argv])
+    assert "--fast needs --repeats >= 1 and --new-tokens >= 2" in capsys.readouterr().err
