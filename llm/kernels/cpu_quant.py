@@ -1,22 +1,23 @@
-"""Our own int4 and int8 weight-only matmuls for CPUs with AVX512-VNNI (``cpu_quant.cpp``).
+"""Our own int4 and int8 weight-only matmuls, attention and Llama blocks for x86-64 CPUs with AVX2
+or AVX512-VNNI (``cpu_quant.cpp``, ``cpu_quant_simd.h``).
 
 The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): each token's
 activations are quantized to int8 in groups of 32 inputs (scale ``max |x| / 127``), the products
 are integer dot products, and the float scales are applied per group of 32 (an int4 group's min
 multiplies the sum of the quantized activations, ggml's Q8_1 ``s``). The lanes of a vector
 are 16 output features, so the weights are read once per tile of 8 tokens and stream at the
-memory bandwidth for one token. Each token's row is computed alone: results do not depend on
-the batch, the prompt length or the cache.
+memory bandwidth for one token. Each token's row is computed alone, and attention reduces each
+query's keys in an order counted from its first key: results do not depend on the batch, the
+prompt length, the cache or the threads, to the bit.
 
-The source is compiled at first use by :func:`torch.utils.cpp_extension.load` (about 15 s, then
-cached on disk under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
-registers the operators ``torch.ops.llm.int4_linear``, ``int8_linear``, ``decode_attention`` and
-``decoder_blocks`` (Llama blocks' decoding step in one call; with fake implementations, so
-``torch.compile`` calls them as they are). They are off unless
-switched on (``LLM_CPU_KERNELS=1``, read when ``llm`` is imported, or :func:`enabled`): their int8 activations make cached,
-speculative and compiled decoding equal the uncached greedy only up to near-ties (README, Fast
-decoding). :func:`unavailable` says why they cannot run here (no AVX512-VNNI,
-no C++ compiler); quantized layers then take torch's kernels (:mod:`llm.kernels.quant`).
+The source is compiled by :func:`build` (``make install`` runs it; otherwise the first use does,
+about 30 s) with :func:`torch.utils.cpp_extension.load`, cached on disk under
+``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), for both instruction sets; the
+CPU picks one when the operators run (:func:`isa`). It registers ``torch.ops.llm.int4_linear``,
+``int8_linear``, ``rms_norm``, ``decode_attention`` and ``decoder_blocks`` (Llama blocks over a
+cache buffer in one call), with fake implementations, so ``torch.compile`` calls them as they are.
+Which layers use them is the model's choice, made when it is quantized (``backend`` of
+:func:`llm.quant.quantize`); :func:`unavailable` says why they cannot run here.
 
 Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 group size):
 
@@ -33,7 +34,6 @@ import functools
 import hashlib
 import io
 import logging
-import os
 import time
 import warnings
 from pathlib import Path
@@ -42,37 +42,28 @@ import torch
 
 LANES = 16
 GROUP = 32
-_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+_SOURCES = (Path(__file__).with_name("cpu_quant.cpp"), Path(__file__).with_name("cpu_quant_simd.h"))
 
 log = logging.getLogger(__name__)
 
-
-_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False,
-           "": False}
 #: How long a build directory's lock may stand before it counts as left by a killed build (a
-#: build takes about 12 s; torch's lock would otherwise be waited on forever).
+#: build takes about 30 s; torch's lock would otherwise be waited on forever).
 STALE_LOCK_S = 300
 
 
-def _switch_from_environment() -> bool:
-    value = os.environ.get("LLM_CPU_KERNELS", "")
-    if value.strip().lower() not in _SWITCH:
-        warnings.warn(f"LLM_CPU_KERNELS={value!r} is not one of 1/0 (true/false, yes/no, on/off): "
-                      f"llm's CPU kernels stay off", stacklevel=2)
-        return False
-    return _SWITCH[value.strip().lower()]
+def extension_name(sources: tuple[Path, ...] = _SOURCES) -> str:
+    """The extension's name: a hash of its sources and torch's version, so an edit rebuilds it."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + torch.__version__.encode()).hexdigest()
+    return f"llm_cpu_quant_{digest[:12]}"
 
 
-_enabled = _switch_from_environment()
-
-
-def build(source: Path = _SOURCE) -> str | None:
-    """Compile and load ``source`` (cached on disk by its contents); returns why that failed, as a
-    sentence, after one warning, or None."""
+def build(sources: tuple[Path, ...] = _SOURCES) -> str | None:
+    """Compile and load the extension (cached on disk by its sources' contents); returns why that
+    failed, as a sentence, after one warning, or None."""
     with contextlib.redirect_stderr(io.StringIO()):  # its import prints a CUDA_HOME notice
         from torch.utils import cpp_extension
 
-    name = f"llm_cpu_quant_{hashlib.sha256(source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]}"
+    name = extension_name(sources)
     try:
         lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
@@ -81,13 +72,13 @@ def build(source: Path = _SOURCE) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # -fopenmp: without it at::parallel_for's pragma is ignored and the kernels run on one thread
-            cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp"],
+            cpp_extension.load(name=name, sources=[str(sources[0])], extra_cflags=["-O3", "-fopenmp"],
                                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         # ninja's last lines only say that it stopped: keep the compiler's own last line
         detail = [line for line in str(err).strip().splitlines()
                   if line.strip() and not line.startswith(("ninja:", "FAILED:", "[", "Error building extension"))]
-        reason = f"building {source.name} failed ({detail[-1].strip() if detail else str(err).strip() or type(err).__name__})"
+        reason = f"building {sources[0].name} failed ({detail[-1].strip() if detail else str(err).strip() or type(err).__name__})"
         warnings.warn(f"llm's CPU kernels are not used: {reason}; quantized layers take torch's kernels", stacklevel=2)
         return reason
     return None
@@ -96,42 +87,25 @@ def build(source: Path = _SOURCE) -> str | None:
 @functools.lru_cache(maxsize=1)
 def unavailable() -> str | None:
     """Why the kernels cannot run on this machine (a sentence), or None once they are built and
-    loaded (the first call builds them)."""
+    loaded (the first call builds them if ``make install`` has not)."""
     reason = build()
     if reason is not None:
         return reason
-    if not torch.ops.llm.cpu_supported():
-        return "this CPU lacks AVX512-VNNI (or AVX512-BW/VL, F16C)"
+    if not torch.ops.llm.cpu_isa():
+        return "this CPU has neither AVX2 (with FMA and F16C) nor AVX512-VNNI"
     _register_fakes()
     return None
 
 
+def isa() -> str | None:
+    """The instruction set the kernels run with here: ``"avx512"`` (AVX512-VNNI) or ``"avx2"``;
+    None where they cannot run (:func:`unavailable`)."""
+    return None if unavailable() is not None else torch.ops.llm.cpu_isa()
+
+
 def available(device: torch.device | str = "cpu") -> bool:
-    """Whether quantized layers made now on ``device`` take these kernels: they are switched on
-    (``LLM_CPU_KERNELS=1`` in the environment, or inside :func:`enabled`), the device is a CPU,
-    and they run here."""
-    return _enabled and torch.device(device).type == "cpu" and unavailable() is None
-
-
-@contextlib.contextmanager
-def _switch(on: bool):
-    global _enabled
-    before, _enabled = _enabled, on
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-def enabled():
-    """Quantized layers made, loaded or moved to another device inside take these kernels where
-    they run (a dtype cast keeps a layer's kernel). The switch is the process's, not a thread's."""
-    return _switch(True)
-
-
-def disabled():
-    """Quantized layers made, loaded or moved to another device inside take torch's kernels."""
-    return _switch(False)
+    """Whether the kernels run on ``device``: a CPU on which they are built and supported."""
+    return torch.device(device).type == "cpu" and unavailable() is None
 
 
 def _register_fakes() -> None:
@@ -142,6 +116,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("llm::int8_linear")
     def _(x, codes, scales, n):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("llm::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("llm::decode_attention")
     def _(q, k, v, mask, scale, bias):
@@ -239,6 +217,14 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: 
     """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
     _require()
     return torch.ops.llm.int8_linear(x, packed, scales, n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension, float32 (..., d) and (d,):
+    the fused blocks' norm, each row's mean of squares summed in double (so a row's result does
+    not depend on the other rows). Raises RuntimeError on other dtypes or shapes."""
+    _require()
+    return torch.ops.llm.rms_norm(x, weight, eps)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
