@@ -99,6 +99,33 @@ class Cache:
             raise ValueError(f"layer {layer_idx} has no storage: the cache holds {len(self._keys)} layers")
         return self._keys[layer_idx], self._values[layer_idx]
 
+    def reserve(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate (or grow) every layer's storage for at least ``length`` positions, for a
+        forward that writes its new keys at ``cache_position`` (:meth:`storage`); the length is not
+        moved (:meth:`set_seq_length` does that).
+
+        Raises:
+            ValueError: if a :class:`StaticCache` has no room for ``length`` positions.
+        """
+        like = torch.empty(batch_size, config.kv_n_heads, 0, config.head_dim, dtype=dtype, device=device)
+        for layer in range(config.n_layers):
+            if layer == len(self._keys):
+                self._allocate_layer(like, like)
+            if self._keys[layer].shape[2] < length:
+                self._grow(layer, length)
+
+    def set_seq_length(self, length: int) -> "Cache":
+        """Declare the first ``length`` positions of every layer valid, after writes at
+        ``cache_position`` (see :meth:`update`), which do not move the length. Returns self.
+
+        Raises:
+            ValueError: if ``length`` is negative or beyond a layer's storage.
+        """
+        if any(not 0 <= length <= keys.shape[2] for keys in self._keys):
+            raise ValueError(f"length must be in [0, {min(k.shape[2] for k in self._keys)}], got {length}")
+        self._lengths = [length] * len(self._keys)
+        return self
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions (of ``layer_idx``; all layers agree between forwards)."""
         return self._lengths[layer_idx] if layer_idx < len(self._lengths) else 0

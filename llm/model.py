@@ -20,6 +20,7 @@ from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.generation import GENERATION_CONFIG_FILE, GenerationConfig, generate, stream
 from llm.generation.decoding import check_token_ids
 from llm.io import atomic_write, shape_mismatches
+from llm.kernels import cpu_quant
 from llm.layers.blocks import MosaicGPTBlock, forward_blocks
 from llm.layers.linear import Linear, linear
 from llm.layers.norm import build_norm
@@ -292,19 +293,50 @@ class MosaicGPT(nn.Module):
             else:
                 key_positions = attention_mask.long().cumsum(-1)
             attn_bias = alibi_bias(slopes, key_positions, x.dtype)
-        query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
-        for block in self.blocks:
-            x = block(
-                x, past_key_values=cache, attn_bias=attn_bias, key_padding_mask=attention_mask,
-                query_padding_mask=query_padding_mask, rotary=rotary,
-            )
+        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fusable(x) for b in self.blocks)
+        if fused:
+            x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary)
+        else:
+            query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
+            for block in self.blocks:
+                x = block(
+                    x, past_key_values=cache, attn_bias=attn_bias, key_padding_mask=attention_mask,
+                    query_padding_mask=query_padding_mask, rotary=rotary,
+                )
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        x = self.norm_f(x)
-        logits = self.lm_head(x) if self.lm_head is not None else linear(x, self.wte.weight)
+        logits = self._logits(x, fused)
         if legacy:
             cache = cache.to_legacy()
         return CausalLMOutput(logits=logits, past_key_values=cache)
+
+    def _blocks_over_buffer(self, x: torch.Tensor, cache: Cache, attention_mask: torch.Tensor | None, past: int,
+                            rotary) -> torch.Tensor:
+        """The blocks as a static cache's step runs them (:meth:`forward_static`): the new keys
+        written into the cache's storage at ``past`` onwards, every query over the whole buffer
+        through a mask. The fused kernel's way, taken by every forward it can run, so that a
+        token's logits are the same bits uncached, cached, in a prefill or a decoding step."""
+        batch, seq = x.shape[:2]
+        total = past + seq
+        cache.reserve(self.config, batch, total, x.dtype, x.device)
+        capacity = cache.storage(0)[0].shape[2]
+        key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=x.device)
+        key_mask[:, :total] = True if attention_mask is None else attention_mask
+        cache_position = torch.arange(past, total, device=x.device)
+        causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
+        x = forward_blocks(self.blocks, x, past_key_values=cache, attn_mask=(causal[None] & key_mask[:, None])[:, None],
+                           rotary=rotary, cache_position=cache_position)
+        cache.set_seq_length(total)
+        return x
+
+    def _logits(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        """The final norm and the output layer; ``fused``: the norm as the fused kernel's (each row
+        summed alone, in double)."""
+        if fused:
+            x = cpu_quant.rms_norm(x, self.norm_f.weight, self.norm_f.eps)
+        else:
+            x = self.norm_f(x)
+        return self.lm_head(x) if self.lm_head is not None else linear(x, self.wte.weight)
 
     def forward_static(
         self,
@@ -364,8 +396,8 @@ class MosaicGPT(nn.Module):
                            rotary=rotary, cache_position=cache_position)
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        x = self.norm_f(x)
-        return self.lm_head(x) if self.lm_head is not None else linear(x, self.wte.weight)
+        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fusable(x) for b in self.blocks)
+        return self._logits(x, fused)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """Decode new tokens, without autograd; see :func:`llm.generation.generate` for every argument."""
@@ -419,6 +451,7 @@ class MosaicGPT(nn.Module):
         dtype: torch.dtype | None = None,
         quantization: str | None = None,
         group_size: int = 32,
+        backend: str = "auto",
     ) -> "MosaicGPT":
         """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
         a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
@@ -427,13 +460,16 @@ class MosaicGPT(nn.Module):
         registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
 
         Args:
-            quantization: None or ``"none"``: the weights as stored (a quantized bundle loads
-                quantized, anything else in floating point); ``"int8"`` / ``"int4"``: quantize
-                while loading (:func:`llm.quant.quantize`), one tensor at a time, so the float
-                model is never held whole; ``"gguf"``: keep a GGUF file's own quantization
-                (:func:`llm.formats.gguf.load_gguf`: Q4_0 / Q4_1 blocks become int4 groups of 32
-                without requantizing).
+            quantization: None: the weights as stored (a quantized bundle loads quantized, a
+                quantized GGUF file on its own blocks as with ``"gguf"``, anything else in floating
+                point); ``"none"``: a GGUF file dequantized to floating point, a bundle as stored;
+                ``"int8"`` / ``"int4"``: quantize while loading (:func:`llm.quant.quantize`), one
+                tensor at a time, so the float model is never held whole; ``"gguf"``: keep a GGUF
+                file's own quantization (:func:`llm.formats.gguf.load_gguf`: Q4_0 / Q4_1 blocks
+                become int4 groups of 32 without requantizing).
             group_size: int4 group size for ``quantization="int4"``.
+            backend: whose kernels quantized layers take: ``"auto"`` (ours where they run, see
+                :func:`llm.quant.quantize`), ``"llm"`` or ``"torch"``.
 
         Raises:
             FileNotFoundError: if the directory, its config or its weights are missing, or the
@@ -441,22 +477,25 @@ class MosaicGPT(nn.Module):
             ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
                 naming the file and the tensors that did not fit; if ``generation_config.json``
                 is not a valid generation config (naming it); an unknown ``quantization``, or one
-                that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; for a GGUF
+                that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; a bad
+                ``backend`` (or ``"llm"`` where our kernels cannot run); for a GGUF
                 file, also an unsupported architecture or quantization type (see
                 :func:`llm.formats.load_gguf`).
         """
         # lazy: llm.formats imports this module
         from llm.formats.registry import PRETRAINED, load_generation_config, resolve
         from llm.quant import METHODS, quantize, quantize_like
+        from llm.quant.quantize import check_backend
 
-        quantization = None if quantization == "none" else quantization
-        if quantization is not None and quantization not in (*METHODS, "gguf"):
+        if quantization is not None and quantization not in ("none", *METHODS, "gguf"):
             raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
+        check_backend(backend, device or "cpu")
         kind, directory = resolve(name_or_path)
         if kind == "gguf":
             from llm.formats.gguf import load_gguf
 
-            model = load_gguf(directory, dtype=dtype, device=device, quantization=quantization, group_size=group_size)
+            model = load_gguf(directory, dtype=dtype, device=device, quantization=quantization, group_size=group_size,
+                              backend=backend)
             model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
             return model
         if not directory.exists():
@@ -469,11 +508,12 @@ class MosaicGPT(nn.Module):
                 raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")
         config = MosaicGPTConfig.load(directory / CONFIG_FILE)
         saved = _read_quantization(directory)
+        quantization = None if quantization == "none" else quantization
         if quantization == "gguf":
             raise ValueError(f'quantization="gguf" keeps a GGUF file\'s own quantization; {directory} is a bundle: '
                              f'load a .gguf file, or quantize the bundle with "int8" or "int4"')
         if saved is not None and quantization not in (None, saved.get("method")):
-            raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=None "
+            raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=\"none\" "
                              f"(requantizing {saved.get('method')} weights as {quantization} is not supported)")
         weights_path = directory / WEIGHTS_FILE
         with torch.device("meta"):
@@ -490,7 +530,7 @@ class MosaicGPT(nn.Module):
                     model.load_state_dict(state, assign=True)
                 else:
                     model = _load_quantized(model, weights, names, saved, quantization, group_size, weights_path,
-                                            quantize, quantize_like)
+                                            quantize, quantize_like, backend)
         except ValueError:
             raise
         except Exception as err:
@@ -519,7 +559,7 @@ def _read_quantization(directory: Path) -> dict | None:
     return spec
 
 
-def _load_quantized(model, weights, names, saved, method, group_size, path, quantize, quantize_like):
+def _load_quantized(model, weights, names, saved, method, group_size, path, quantize, quantize_like, backend):
     """Fill the meta ``model`` from an open safetensors file: a saved quantized model
     (``saved``, its quantization.json) or float weights quantized one tensor at a time."""
     from llm.quant.quantize import EMBEDDING, HEAD, projections
@@ -545,11 +585,11 @@ def _load_quantized(model, weights, names, saved, method, group_size, path, quan
 
     if saved is not None:
         try:
-            quantize_like(model, saved, tensor)
+            quantize_like(model, saved, tensor, backend)
         except ValueError as err:
             raise ValueError(f"weights in {path} do not fit its quantization.json: {err}") from err
     else:
-        quantize(model, method, group_size, weights=tensor)
+        quantize(model, method, group_size, weights=tensor, backend=backend)
     left = [k for k, v in model.state_dict().items() if v.device.type == "meta"]
     if left:
         raise ValueError(f"weights in {path} lack {left[:10]}")

@@ -109,7 +109,8 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             :func:`architecture`.
     """
     if getattr(model, "quantization", None) is not None:
-        raise ValueError("a quantized model cannot be exported to transformers: load it with quantization=None")
+        raise ValueError("a quantized model cannot be exported to transformers: load it unquantized (a GGUF file "
+                         "with quantization=\"none\"; a quantized bundle holds no float weights)")
     c, arch = model.config, architecture(model.config)
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}

@@ -18,9 +18,6 @@ from llm.config import MosaicGPTConfig
 from llm.kernels import cpu_quant
 from llm.layers.linear import Linear
 
-#: The most queries per row that take our CPU kernel over a static cache (decoding steps and
-#: short verification chunks; a prefill chunk's products are matrix products, torch's own).
-DECODE_ATTENTION_QUERIES = 8
 #: The longest square causal attention that a compiled graph on a CPU computes as explicit
 #: products and a softmax (inductor fuses the scaling, masking, softmax and casts around them)
 #: rather than through torch's CPU flash kernel, which it can only call as it is. Measured on a
@@ -85,8 +82,8 @@ def attention_heads(
             (``torch.nn.functional.scaled_dot_product_attention``; on a CPU, a compiled square
             causal attention of up to :data:`COMPILED_MATH_MAX_SEQ` keys and a masked one-query
             step take the explicit products, which are faster there).
-        decode_kernel: up to :data:`DECODE_ATTENTION_QUERIES` float32 queries over an
-            ``attn_mask`` on a CPU (a static cache's decoding step) take
+        decode_kernel: float32 queries over an ``attn_mask`` on a CPU (a step over a cache
+            buffer) take
             :func:`llm.kernels.cpu_quant.decode_attention` (head_dim a multiple of 16 up to 128; needs
             our CPU kernels; not when a gradient is wanted).
 
@@ -112,7 +109,7 @@ def attention_heads(
             seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
         )
     p = dropout_p if training else 0.0
-    if (attn_mask is not None and seq_q <= DECODE_ATTENTION_QUERIES and p == 0.0 and query.device.type == "cpu"
+    if (attn_mask is not None and p == 0.0 and query.device.type == "cpu"
             and query.dtype == key.dtype == value.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 128
             and decode_kernel and not (query.requires_grad or key.requires_grad or value.requires_grad)):
         # a decoding step over a static buffer: one pass per query and head, masked keys unread
@@ -238,8 +235,7 @@ class MultiheadAttention(nn.Module):
     """Self-attention block layer: fused QKV projection, optional rotary positions, KV cache.
 
     Parameter names follow MPT: ``Wqkv`` (d_model -> (n_heads + 2 * kv_n_heads) * head_dim) and
-    ``out_proj``. ``decode_kernel`` (True when the layer is made while our CPU kernels are on,
-    :func:`llm.kernels.cpu_quant.available`) sends a static cache's decoding steps to
+    ``out_proj``. :attr:`decode_kernel` sends a static cache's decoding steps to
     :func:`llm.kernels.cpu_quant.decode_attention`.
     """
 
@@ -252,10 +248,14 @@ class MultiheadAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.attn_pdrop = config.attn_pdrop
         bias = not config.no_bias
-        # as our quantized layers: a model made while our CPU kernels are on decodes on them
-        self.decode_kernel = cpu_quant.available()
         self.Wqkv = Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
         self.out_proj = Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Whether decoding steps take our attention kernel: when the projections do (a model
+        quantized on our kernels, see ``backend`` in :mod:`llm.quant.modules`)."""
+        return getattr(self.Wqkv, "kernel", None) == "llm"
 
     def forward(
         self,

@@ -11,7 +11,7 @@ from torch import nn
 
 from llm.config import MosaicGPTConfig
 from llm.kernels import cpu_quant
-from llm.layers.attention import DECODE_ATTENTION_QUERIES, MultiheadAttention
+from llm.layers.attention import MultiheadAttention
 from llm.layers.ffn import GLU, build_ffn
 from llm.layers.norm import RMSNorm, build_norm
 
@@ -21,14 +21,12 @@ class MosaicGPTBlock(nn.Module):
 
     (batch, seq, d_model) -> (batch, seq, d_model); keyword arguments go to the attention.
 
-    ``fused_decode`` (True when the block is made while our CPU kernels are on, as the
-    attention's ``decode_kernel``) sends a static cache's decoding steps (up to
-    :data:`~llm.layers.attention.DECODE_ATTENTION_QUERIES` float32 tokens a row, no gradient) to
-    :func:`llm.kernels.cpu_quant.decoder_blocks` when the block is Llama's (RMSNorm, rotary or no
-    positions, SiLU-gated FFN, no biases; head_dim a multiple of 16 up to 128) and its five
-    projections are quantized on our kernels;
-    any other block or step takes the layers one by one. :func:`forward_blocks` runs consecutive
-    such blocks in one call.
+    A step over a cache buffer (float32 on the CPU, no gradient, a mask and ``cache_position``)
+    goes to :func:`llm.kernels.cpu_quant.decoder_blocks` when the block is Llama's (RMSNorm, rotary
+    or no positions, SiLU-gated FFN, no biases; head_dim a multiple of 16 up to 128) and its five
+    projections are quantized on our kernels, unless ``fused_decode`` is False (tests compare the
+    two); any other block or step takes the layers one by one. :func:`forward_blocks` runs
+    consecutive such blocks in one call.
     """
 
     def __init__(self, config: MosaicGPTConfig, layer_idx: int):
@@ -38,7 +36,7 @@ class MosaicGPTBlock(nn.Module):
         self.norm_2 = build_norm(config)
         self.ffn = build_ffn(config)
         self.resid_drop = nn.Dropout(config.resid_pdrop)
-        self.fused_decode = cpu_quant.available()
+        self.fused_decode = True
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
         parts = self._fused_parts(x, **attn_kwargs)
@@ -67,18 +65,22 @@ class MosaicGPTBlock(nn.Module):
             return None
         return [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
 
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether a step of ``x`` over a cache buffer (a mask and ``cache_position``, no ALiBi
+        bias or padding masks) would take the fused kernel."""
+        return (self.fused_decode and not self.training and x.dtype == torch.float32 and x.device.type == "cpu"
+                # the kernel records no gradient: where one is wanted, the layers run
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.norm_1.weight.requires_grad
+                                                      or self.norm_2.weight.requires_grad))
+                and self._fused_weights() is not None)
+
     def _fused_parts(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
                      key_padding_mask=None, query_padding_mask=None) -> _Fused | None:
         """What the fused kernel needs of this block for this step, or None if it does not apply."""
-        if (not self.fused_decode or self.training or cache_position is None or attn_mask is None
-                or attn_bias is not None or key_padding_mask is not None or query_padding_mask is not None
-                or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] > DECODE_ATTENTION_QUERIES
-                or (torch.is_grad_enabled() and (x.requires_grad or self.norm_1.weight.requires_grad
-                                                 or self.norm_2.weight.requires_grad))):
-            return None  # the kernel records no gradient: where one is wanted, the layers run
-        fused = self._fused_weights()
-        if fused is None:
+        if (cache_position is None or attn_mask is None or attn_bias is not None or key_padding_mask is not None
+                or query_padding_mask is not None or not self.fusable(x)):
             return None
+        fused = self._fused_weights()
         keys, values = past_key_values.storage(self.attn.layer_idx)
         if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
             return None
@@ -98,9 +100,8 @@ class _Fused(NamedTuple):
 def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None,
                    cache_position=None, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
     """``x`` through ``blocks`` (:class:`MosaicGPTBlock`) in order, with the arguments of their
-    ``forward``: in a static cache's decoding step (up to
-    :data:`~llm.layers.attention.DECODE_ATTENTION_QUERIES` float32 tokens a row on the CPU, no
-    gradient, a mask and ``cache_position``, no ALiBi bias or padding masks), each run of
+    ``forward``: in a step over a cache buffer (float32 tokens on the CPU, no gradient, a mask and
+    ``cache_position``, no ALiBi bias or padding masks), each run of
     consecutive blocks that :func:`llm.kernels.cpu_quant.decoder_blocks` takes goes in one call
     (one team of threads for the run, and one call from Python); any other block, or step, takes
     its layers one by one.

@@ -1,11 +1,13 @@
 """Weight-only quantized layers: drop-in replacements for ``nn.Linear`` and ``nn.Embedding``.
 
 After gpt-fast's ``WeightOnlyInt8Linear`` and ``WeightOnlyInt4Linear`` (quantize.py): the weights
-are stored quantized. On CPUs with AVX512-VNNI the matrix product is our own kernel
+are stored quantized. Each layer's ``backend`` says whose kernel multiplies: ``"llm"``, our own
 (:mod:`llm.kernels.cpu_quant`, llama.cpp's method: activations quantized to int8 per 32 inputs,
-integer dot products); elsewhere (GPUs, other CPUs, ``LLM_CPU_KERNELS=0``) it is torch's quantized
-kernel (:mod:`llm.kernels.quant`), activations entering it in ``activation_dtype``. Outputs leave
-in the input's dtype, so the residual stream keeps the model's dtype.
+integer dot products; x86-64 CPUs with AVX2 or AVX512-VNNI), ``"torch"``, torch's quantized kernels
+(:mod:`llm.kernels.quant`, activations entering them in ``activation_dtype``; any CPU or GPU), or
+``"auto"``, ours where they run and torch's elsewhere, decided again whenever the layer moves to
+another device; ``kernel`` says which one a layer took. Outputs leave in the input's dtype, so the
+residual stream keeps the model's dtype.
 
 State dicts hold device- and kernel-independent tensors: int8 codes and float scales; for int4,
 the codes unpacked (uint8, one per weight) with ``scales_and_zeros``. Packing for the kernel
@@ -24,13 +26,16 @@ from llm.kernels.quant import aligned, int4_matmul, int4_pack, int4_unpack, int8
 
 
 _ROW_BLOCK = 4096
+#: The values of a quantized layer's ``backend``.
+BACKENDS = ("auto", "llm", "torch")
 
 
 @dataclass
 class QuantizationReport:
     """What :func:`llm.quant.quantize` did: ``method``, ``group_size``, ``activation_dtype`` (a
-    torch dtype name), ``quantized`` (module names) and ``kept`` (module name -> why it stayed
-    in floating point). Saved as ``quantization.json`` next to a quantized bundle's weights."""
+    torch dtype name), ``quantized`` (module names), ``kept`` (module name -> why it stayed
+    in floating point) and the ``backend`` asked for. Saved as ``quantization.json`` next to a
+    quantized bundle's weights, without the backend: that is the loader's choice."""
 
     method: str
     group_size: int
@@ -38,6 +43,7 @@ class QuantizationReport:
     quantized: list[str] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)
     source: str = "quantized"
+    backend: str = "auto"
 
     def to_dict(self) -> dict:
         return dict(method=self.method, group_size=self.group_size, activation_dtype=self.activation_dtype,
@@ -84,10 +90,13 @@ def _moves_device(fn, tensor: torch.Tensor) -> torch.device | None:
     return device if device != tensor.device else None
 
 
-def _our_kernel(device: torch.device, out_features: int, in_features: int, group_size: int | None = None) -> bool:
-    """Whether a layer of this shape on ``device`` takes :mod:`llm.kernels.cpu_quant`'s kernels."""
-    return (device.type == "cpu" and cpu_quant.supports(out_features, in_features, group_size) is None
-            and cpu_quant.available(device))
+def _our_kernel(backend: str, device: torch.device, out_features: int, in_features: int,
+                group_size: int | None = None) -> bool:
+    """Whether a layer of this shape on ``device`` with ``backend`` takes :mod:`llm.kernels.cpu_quant`'s
+    kernels: ``"auto"`` and ``"llm"`` where they run and take the shape (a layer moved to a GPU or
+    a shape they cannot take falls back to torch's), ``"torch"`` never."""
+    return (backend != "torch" and device.type == "cpu"
+            and cpu_quant.supports(out_features, in_features, group_size) is None and cpu_quant.available(device))
 
 
 class _Int8Codes(nn.Module):
@@ -96,12 +105,13 @@ class _Int8Codes(nn.Module):
     holds the codes (rows, cols) either way, and a move to another device packs them for it."""
 
     packed: bool
+    backend: str
 
     def _shape(self) -> tuple[int, int]:
         raise NotImplementedError
 
     def _set_codes(self, codes: torch.Tensor) -> None:
-        self.packed = _our_kernel(codes.device, *self._shape())
+        self.packed = _our_kernel(self.backend, codes.device, *self._shape())
         self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.packed else aligned(codes))
         self._refresh()
 
@@ -143,9 +153,10 @@ class _Int8Codes(nn.Module):
 class Int8Linear(_Int8Codes):
     """``nn.Linear`` with an int8 weight, one float scale per output feature.
 
-    On CPUs with AVX512-VNNI the product is :func:`llm.kernels.cpu_quant.int8_linear` (``kernel``
-    is ``"llm"``: activations quantized to int8 per 32 inputs, integer dot products), elsewhere
-    torch's ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype`` (``kernel`` ``"torch"``).
+    With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
+    :func:`llm.kernels.cpu_quant.int8_linear` (activations quantized to int8 per 32 inputs, integer
+    dot products), else torch's ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype``
+    (``kernel`` ``"torch"``).
 
     Buffers: ``weight`` int8 codes ((out_features, in_features); in the ``"llm"`` kernel's blocked
     layout, see :meth:`codes`), ``scales`` (out_features,) float, ``bias`` (out_features,) float or
@@ -154,8 +165,10 @@ class Int8Linear(_Int8Codes):
     """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 activation_dtype: torch.dtype, *, packed: bool = False, in_features: int | None = None):
+                 activation_dtype: torch.dtype, *, packed: bool = False, in_features: int | None = None,
+                 backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         self.out_features = scales.shape[0]
         self.in_features = in_features if packed else weight.shape[1]
         self.activation_dtype = activation_dtype
@@ -191,10 +204,11 @@ class Int8Linear(_Int8Codes):
         return self.activation_dtype
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype) -> "Int8Linear":
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype,
+                   backend: str = "auto") -> "Int8Linear":
         """Quantize a float (out_features, in_features) weight per row; see :func:`int8_rows`."""
         codes, scales = int8_rows(weight)
-        return cls(codes, scales, bias, activation_dtype)
+        return cls(codes, scales, bias, activation_dtype, backend=backend)
 
     def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
         """(codes, scales, None) in our CPU kernel's layouts for a fused kernel
@@ -225,8 +239,9 @@ class Int8Embedding(_Int8Codes):
     ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         self.num_embeddings, self.embedding_dim = weight.shape
         self.register_buffer("scales", scales)
         self._set_codes(weight)
@@ -235,14 +250,14 @@ class Int8Embedding(_Int8Codes):
         return self.num_embeddings, self.embedding_dim
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor) -> "Int8Embedding":
+    def from_float(cls, weight: torch.Tensor, backend: str = "auto") -> "Int8Embedding":
         """Quantize a float (num_embeddings, embedding_dim) table per row; see :func:`int8_rows`."""
-        return cls(*int8_rows(weight))
+        return cls(*int8_rows(weight), backend=backend)
 
     def tied_head(self, activation_dtype: torch.dtype) -> Int8Linear:
         """The output layer ``x @ E.T`` over the same int8 storage (no copy)."""
         return Int8Linear(self.weight, self.scales, None, activation_dtype, packed=self.packed,
-                          in_features=self.embedding_dim)
+                          in_features=self.embedding_dim, backend=self.backend)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
@@ -253,9 +268,10 @@ class Int4Linear(nn.Module):
     """``nn.Linear`` with an int4 weight in groups of ``group_size`` inputs, asymmetric (a scale and
     a zero per group): ``w = (q - 8) * scale + zero``, ``q`` in [0, 15].
 
-    On CPUs with AVX512-VNNI the product is :func:`llm.kernels.cpu_quant.int4_linear` (``kernel``
-    ``"llm"``: float16 scales and mins ``zero - 8 * scale``, which hold a GGUF Q4_1 or Q4_0 block's
-    own d and m exactly; activations quantized to int8 per 32 inputs). Elsewhere it is torch's
+    With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
+    :func:`llm.kernels.cpu_quant.int4_linear` (float16 scales and mins ``zero - 8 * scale``, which
+    hold a GGUF Q4_1 or Q4_0 block's own d and m exactly; activations quantized to int8 per 32
+    inputs). Elsewhere it is torch's
     ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``; ``kernel`` ``"torch"``)
     with ``scales_and_zeros`` (in_features // group_size, out_features, 2) in ``activation_dtype``,
     x cast to it and the output back.
@@ -267,8 +283,9 @@ class Int4Linear(nn.Module):
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                 group_size: int, activation_dtype: torch.dtype):
+                 group_size: int, activation_dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
+        self.backend = backend
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         self._activation_dtype = activation_dtype
@@ -280,7 +297,7 @@ class Int4Linear(nn.Module):
         device = codes.device
         for name in ("scales_and_zeros", "kernel_scales", "kernel_mins"):
             self._buffers.pop(name, None)
-        if _our_kernel(device, self.out_features, self.in_features, self.group_size):
+        if _our_kernel(self.backend, device, self.out_features, self.in_features, self.group_size):
             self.kernel = "llm"
             scales, zeros = scales.float(), zeros.float()
             packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, zeros - 8 * scales)
@@ -295,9 +312,9 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-                   activation_dtype: torch.dtype) -> "Int4Linear":
+                   activation_dtype: torch.dtype, backend: str = "auto") -> "Int4Linear":
         """Quantize a float (out_features, in_features) weight; see :func:`int4_groups`."""
-        return cls(*int4_groups(weight, group_size), bias, group_size, activation_dtype)
+        return cls(*int4_groups(weight, group_size), bias, group_size, activation_dtype, backend)
 
     @property
     def activation_dtype(self) -> torch.dtype:

@@ -19,7 +19,8 @@ from torch import nn
 
 from llm.kernels.quant import INT4_GROUP_SIZES, int4_supported
 from llm.model import QUANTIZATION_FILE
-from llm.quant.modules import Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, int8_rows
+from llm.kernels import cpu_quant
+from llm.quant.modules import BACKENDS, Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, int8_rows
 
 METHODS = ("int8", "int4")
 HEAD = "lm_head"
@@ -49,6 +50,31 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def check_backend(backend: str, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError for a ``backend`` that is not one of :data:`~llm.quant.modules.BACKENDS`,
+    or ``"llm"`` on a device where our kernels cannot run (saying why)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "llm":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f'backend "llm" runs on the CPU, not on {torch.device(device)}: use "auto" or "torch"')
+        why = cpu_quant.unavailable()
+        if why is not None:
+            raise ValueError(f'backend "llm" cannot run here: {why}; use "auto" or "torch"')
+
+
+def layer_kernels(model: nn.Module) -> dict[str, str]:
+    """Which kernel each quantized layer of ``model`` takes now, by module name: ``"llm"`` (ours)
+    or ``"torch"`` (see ``backend`` in :mod:`llm.quant.modules`)."""
+    kernels = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            kernels[name] = module.kernel
+        elif isinstance(module, Int8Embedding):
+            kernels[name] = "llm" if module.packed else "torch"
+    return kernels
+
+
 def _check(method: str, group_size: int) -> None:
     if method not in METHODS:
         raise ValueError(f"quantization method must be one of {METHODS}, got {method!r}")
@@ -58,7 +84,7 @@ def _check(method: str, group_size: int) -> None:
 
 @torch.no_grad()
 def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dtype: torch.dtype | None = None,
-             *, weights: TensorSource | None = None,
+             *, backend: str = "auto", weights: TensorSource | None = None,
              head: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
     """Quantize ``model``'s weights in place (a module swap); returns the model.
 
@@ -70,7 +96,12 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
         group_size: inputs per int4 group (32, 64, 128 or 256); int8 has one scale per row (the
             group size is then recorded but unused).
         activation_dtype: the dtype activations enter the kernels in; default
-            :func:`default_activation_dtype` of the model's device (bfloat16 on fast CPUs).
+            :func:`default_activation_dtype` of the model's device (bfloat16 on fast CPUs); torch's
+            kernels only (ours quantize activations to int8 per 32 inputs).
+        backend: whose kernels the layers take: ``"auto"`` (ours where they run, on x86-64 CPUs
+            with AVX2 or AVX512-VNNI, torch's elsewhere, per layer and per device), ``"llm"``
+            (ours; an error where they cannot run) or ``"torch"``. :func:`layer_kernels` says what
+            each layer took.
         weights: where to read float weights from, by state-dict name (e.g. a file being loaded,
             so that the float model is never held whole); default: the model's own.
         head: the output layer (the embedding, when tied) already quantized per row, as
@@ -82,14 +113,16 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
         logged when a layer had to stay in floating point).
 
     Raises:
-        ValueError: for an unknown method or a bad group size; if the model is already quantized.
+        ValueError: for an unknown method, a bad group size or backend (see :func:`check_backend`);
+            if the model is already quantized.
     """
     _check(method, group_size)
+    check_backend(backend, model.norm_f.weight.device)
     if getattr(model, "quantization", None) is not None:
         raise ValueError(f"the model is already quantized ({model.quantization.method}); load it again to requantize")
     device = model.norm_f.weight.device
     act = activation_dtype or default_activation_dtype(device)
-    report = QuantizationReport(method, group_size, str(act).removeprefix("torch."))
+    report = QuantizationReport(method, group_size, str(act).removeprefix("torch."), backend=backend)
 
     def weight(name: str) -> torch.Tensor:
         return weights(name + ".weight") if weights is not None else model.get_submodule(name).weight
@@ -103,16 +136,16 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
                 if weights is not None:
                     linear.weight = nn.Parameter(weight(name).to(device), requires_grad=False)
                 continue
-            module = Int4Linear.from_float(weight(name).to(device), linear.bias, group_size, act)
+            module = Int4Linear.from_float(weight(name).to(device), linear.bias, group_size, act, backend)
         else:
-            module = Int8Linear.from_float(weight(name).to(device), linear.bias, act)
+            module = Int8Linear.from_float(weight(name).to(device), linear.bias, act, backend)
         _set(model, name, module)
         report.quantized.append(name)
     if head is None:
         head = model.lm_head.weight if model.lm_head is not None else model.wte.weight
         if weights is not None:
             head = weights((HEAD if model.lm_head is not None else EMBEDDING) + ".weight")
-    report.quantized.append(quantize_head(model, head, act))
+    report.quantized.append(quantize_head(model, head, act, backend))
     if report.kept:
         log.warning("quantize(%s): %d layer(s) stay in floating point: %s", method, len(report.kept),
                     "; ".join(f"{k} ({v})" for k, v in report.kept.items()))
@@ -121,7 +154,7 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
 
 
 def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                  activation_dtype: torch.dtype) -> str:
+                  activation_dtype: torch.dtype, backend: str = "auto") -> str:
     """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model), or from
     its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`; with tied
     embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer shares
@@ -130,27 +163,29 @@ def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, t
     device = model.norm_f.weight.device
     codes, scales = codes.to(device), scales.to(device)
     if model.lm_head is not None:
-        _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype))
+        _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype, backend=backend))
         return HEAD
-    embedding = Int8Embedding(codes, scales)
+    embedding = Int8Embedding(codes, scales, backend)
     embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
     model.wte = embedding
     model.lm_head = embedding.tied_head(activation_dtype)
     return EMBEDDING
 
 
-def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource) -> nn.Module:
+def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource, backend: str = "auto") -> nn.Module:
     """Rebuild the quantized modules that ``spec`` (a saved :class:`QuantizationReport`, see
     :data:`QUANTIZATION_FILE`) lists, from their saved tensors (``tensors(state_dict_name)``).
 
-    Every other tensor of the model is the caller's to load. Returns the model, with
-    ``model.quantization`` set.
+    Every other tensor of the model is the caller's to load; ``backend`` as :func:`quantize`'s.
+    Returns the model, with ``model.quantization`` set.
 
     Raises:
-        ValueError: for a spec that is not a quantization report, or a tensor of the wrong dtype or shape.
+        ValueError: for a spec that is not a quantization report, or a tensor of the wrong dtype or
+            shape; a bad backend.
     """
+    check_backend(backend, model.norm_f.weight.device)
     try:
-        report = QuantizationReport(**spec)
+        report = QuantizationReport(**spec, backend=backend)
         _check(report.method, report.group_size)
         act = getattr(torch, report.activation_dtype)
     except (TypeError, AttributeError) as err:
@@ -169,7 +204,8 @@ def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource) -> nn.Mod
     for name in report.quantized:
         if name == EMBEDDING:
             vocab, dim = model.wte.num_embeddings, model.wte.embedding_dim
-            embedding = Int8Embedding(tensor("wte.weight", torch.int8, (vocab, dim)), tensor("wte.scales", None, (vocab,)))
+            embedding = Int8Embedding(tensor("wte.weight", torch.int8, (vocab, dim)), tensor("wte.scales", None, (vocab,)),
+                                      backend)
             model.wte = embedding
             model.lm_head = embedding.tied_head(act)
             continue
@@ -178,10 +214,10 @@ def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource) -> nn.Mod
         if report.method == "int4" and name != HEAD:
             sz = tensor(name + ".scales_and_zeros", None, (k // report.group_size, n, 2))
             module = Int4Linear(tensor(name + ".weight", torch.uint8, (n, k)), sz[..., 0].t(), sz[..., 1].t(),
-                                bias(name, linear), report.group_size, act)
+                                bias(name, linear), report.group_size, act, backend)
         else:
             module = Int8Linear(tensor(name + ".weight", torch.int8, (n, k)), tensor(name + ".scales", None, (n,)),
-                                bias(name, linear), act)
+                                bias(name, linear), act, backend=backend)
         _set(model, name, module)
     model.quantization = report
     return model

@@ -391,12 +391,15 @@ def load_gguf(
     attn_impl: str = "sdpa",
     quantization: str | None = None,
     group_size: int = 32,
+    backend: str = "auto",
 ) -> MosaicGPT:
     """A MosaicGPT with the weights of a Llama-architecture GGUF file, in eval mode.
 
     Args:
         dtype: of the float weights, the activations and the cache (None: float32).
-        quantization: None: every tensor dequantized to float32, then cast to ``dtype``;
+        quantization: None: ``"gguf"`` if the file's projections are quantized, else ``"none"``
+            (as llama.cpp runs a file: on its own blocks); ``"none"``: every tensor dequantized to
+            float32, then cast to ``dtype``;
             ``"int8"`` / ``"int4"``: each projection dequantized and quantized at once by
             :func:`llm.quant.quantize` (the float model is never whole in memory);
             ``"gguf"``: the file's own quantization where the kernels take it: Q4_0 / Q4_1
@@ -407,25 +410,32 @@ def load_gguf(
             (and a tied embedding) is int8 per row in every mode (a Q8_0 embedding requantized
             per row: one scale per vocabulary entry instead of one per 32 weights).
         group_size: int4 group size for ``quantization="int4"``.
+        backend: whose kernels the quantized layers take (see :func:`llm.quant.quantize`).
 
     Raises:
         FileNotFoundError: if there is no such file.
         ValueError: for an unreadable (truncated, corrupt) file, another architecture than Llama
             (naming it and the supported ones), a tensor type gguf cannot dequantize (naming the
-            tensor and type), Llama options MosaicGPT does not implement, or an unknown quantization.
+            tensor and type), Llama options MosaicGPT does not implement, an unknown quantization
+            or backend.
     """
     from llm.quant import Int4Linear, Int8Linear, quantize
     from llm.quant.modules import QuantizationReport
-    from llm.quant.quantize import EMBEDDING, HEAD, default_activation_dtype, projections, quantize_head
+    from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
 
-    if quantization not in (None, "int8", "int4", "gguf"):
-        raise ValueError(f"quantization must be None, 'int8', 'int4' or 'gguf', got {quantization!r}")
+    if quantization not in (None, "none", "int8", "int4", "gguf"):
+        raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf', got {quantization!r}")
+    check_backend(backend, device or "cpu")
     reader = read_gguf(path)
     config = gguf_config(reader, attn_impl=attn_impl)
     sources = _sources(reader, config)
     with torch.device("meta"):
         model = MosaicGPT(config)
     if quantization is None:
+        quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16")
+                        for name in projections(model) for t, _ in sources[name + ".weight"])
+        quantization = "gguf" if quantized else "none"
+    if quantization == "none":
         state = {name: _float(parts, reader.path) for name, parts in sources.items()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.to(device=device, dtype=dtype or torch.float32).eval()
@@ -435,30 +445,30 @@ def load_gguf(
     head = HEAD if model.lm_head is not None else EMBEDDING
     if quantization in ("int8", "int4"):
         quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
-                 head=_int8_rows(sources[head + ".weight"], reader.path))
+                 head=_int8_rows(sources[head + ".weight"], reader.path), backend=backend)
         return model.eval()
 
     act = default_activation_dtype(model.device)
-    report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf")
+    report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
     for name in projections(model):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
         native = _native_int4(parts, reader.path)
         if native is not None:
-            module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act)
+            module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act, backend)
         else:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
             if min(_BITS.get(t, 16) for t in types) >= 6:
-                module = Int8Linear.from_float(weight, linear.bias, act)
+                module = Int8Linear.from_float(weight, linear.bias, act, backend)
                 report.kept[name] = f"{'/'.join(types)}: requantized to int8 per row"
             else:
-                module = Int4Linear.from_float(weight, linear.bias, 32, act)
+                module = Int4Linear.from_float(weight, linear.bias, 32, act, backend)
                 report.kept[name] = f"{'/'.join(types)}: requantized to int4 groups of 32"
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
-    quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act)
+    quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act, backend)
     report.quantized.append(head)
     model.quantization = report
     return model.eval()

@@ -42,8 +42,8 @@ def permute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _check(model) -> None:
     if getattr(model, "quantization", None) is not None:
-        raise ValueError("a quantized model cannot be exported to GGUF: load it with quantization=None "
-                         "and choose --gguf-type")
+        raise ValueError("a quantized model cannot be exported to GGUF: load it unquantized (a GGUF file with "
+                         "quantization=\"none\"; a quantized bundle holds no float weights) and choose --gguf-type")
     c = model.config
     if architecture(c) != "llama":
         raise ValueError("GGUF export writes llama.cpp's llama architecture: rope, ffn_type glu, ffn_act silu, "
