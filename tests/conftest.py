@@ -1,6 +1,5 @@
 """Shared fixtures: tiny models of every position scheme and attention implementation."""
 
-import contextlib
 import resource
 
 import pytest
@@ -9,7 +8,6 @@ from streaming.base import dataset as streaming_dataset
 from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.kernels import cpu_quant
 from llm.quant import quantize
 
 # The test models are tiny: one thread is faster than two, and immune to a busy second core
@@ -51,16 +49,13 @@ QUANTIZATIONS = [None, "int8", "int4"]
 def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0, quantization: str | None = None,
                kernels: str = "auto", **overrides) -> MosaicGPT:
     """A randomly initialised 2-layer model in eval mode (weights scaled up so logits vary),
-    quantized by ``llm.quant.quantize`` when ``quantization`` is "int8" or "int4": on the
-    kernels the switch of ``llm.kernels.cpu_quant`` selects (``kernels="auto"``), on torch's
-    (``"torch"``) or on ours (``"llm"``).
+    quantized by ``llm.quant.quantize`` when ``quantization`` is "int8" or "int4", with
+    ``kernels`` as its ``backend``: ``"auto"`` (ours where they run), ``"torch"`` or ``"llm"``.
 
-    The tests of token identity (cached, speculative, compiled against plain greedy) take torch's
-    kernels on these models: their bfloat16 rounding leaves cached and uncached arithmetic bitwise
-    equal here, while our kernels' int8 activations can round a last-bit difference between two
-    attention paths to the next code, which these high-gain random weights amplify into other
-    tokens. Our kernels are held to token identity on SmolLM2 (tests/quant/test_cpu_kernels.py)
-    and to closeness everywhere (tests/test_cache_property.py)."""
+    On our kernels a Llama model's forwards are bit-identical whatever the cache, chunking or
+    batch (tests/quant/test_invariance.py); the other schemes run their attention through torch's
+    paths, whose cached and uncached arithmetic differ in the last bits, which int8 activations can
+    round to the next code: their tests of token identity take torch's kernels."""
     torch.manual_seed(seed)
     options = dict(vocab_size=61, max_seq_len=96, d_model=32, n_heads=4, n_layers=2, attn_impl=attn_impl,
                    init_std=0.2)
@@ -69,9 +64,7 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
     model = MosaicGPT(MosaicGPTConfig(**options)).eval()
     if quantization is None:
         return model
-    switch = {"auto": contextlib.nullcontext, "torch": cpu_quant.disabled, "llm": cpu_quant.enabled}[kernels]
-    with switch():
-        return quantize(model, quantization)
+    return quantize(model, quantization, backend=kernels)
 
 
 @pytest.fixture(params=[(s, i) for s in POSITION_SCHEMES for i in ("torch", "sdpa")],

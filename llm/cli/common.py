@@ -40,12 +40,31 @@ def integer(minimum: int = 1, maximum: int | None = None):
     return convert
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, quantize_help: str, compile_help: str) -> None:
-    """The flags of every command that loads a model to run it: --device, --dtype, --quantize, --compile."""
+QUANTIZE_HELP = ("weight-only quantization: int8, int4, gguf (a .gguf file's own blocks) or none (a .gguf file "
+                 "dequantized to floats); default: as stored (a quantized .gguf file on its own blocks)")
+BACKEND_HELP = ("whose kernels quantized layers take: auto (ours on x86-64 CPUs with AVX2 or AVX512-VNNI, torch's "
+                "elsewhere), llm (ours) or torch; default auto")
+THREADS_HELP = ("compute threads (default: torch's, one per core; on a machine where other processes are busy, "
+                "fewer threads than cores decode faster)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, compile_help: str) -> None:
+    """The flags of every command that loads a model to run it: --device, --dtype, --quantize,
+    --backend, --threads, --compile."""
     p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none", help=quantize_help)
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], help=QUANTIZE_HELP)
+    p.add_argument("--backend", choices=["auto", "llm", "torch"], default="auto", help=BACKEND_HELP)
+    p.add_argument("--threads", type=integer(), help=THREADS_HELP)
     p.add_argument("--compile", action="store_true", help=compile_help)
+
+
+def set_threads(threads: int | None) -> None:
+    """``torch.set_num_threads(threads)`` when given (our kernels' thread team follows torch's)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def torch_device(text: str):

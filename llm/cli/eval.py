@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm.cli.common import CliError, load_yaml_config
+from llm.cli.common import BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, CliError, integer, load_yaml_config, set_threads
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,8 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="a training config (YAML)")
     parser.add_argument("--model", help="a bundle directory, .gguf file or registered name (instead of load_path=)")
     parser.add_argument("--out", help="where to write the JSON results")
-    parser.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], default="none",
-                        help="weight-only quantization (gguf: keep a .gguf model's own 4-bit blocks)")
+    parser.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], help=QUANTIZE_HELP)
+    parser.add_argument("--backend", choices=["auto", "llm", "torch"], default="auto", help=BACKEND_HELP)
+    parser.add_argument("--threads", type=integer(), help=THREADS_HELP)
     parser.add_argument("--compile", action="store_true", help="run the forward through torch.compile")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. load_path=CKPT")
     return parser
@@ -40,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError("give load_path=CHECKPOINT or --model DIR_OR_NAME")
         from llm.train.evaluate import default_output, evaluate, format_table, write_report
 
+        set_threads(args.threads)
         report = evaluate(cfg, load_path=None if args.model else cfg.get("load_path"), model=args.model,
-                          quantization=args.quantize, compile=args.compile)
+                          quantization=args.quantize, backend=args.backend, compile=args.compile)
     except (CliError, ValueError, FileNotFoundError) as error:
         print(f"eval.py: error: {error}", file=sys.stderr)
         return 2

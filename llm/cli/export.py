@@ -47,7 +47,8 @@ def _load(args):
     from llm.formats.registry import load_tokenizer
     from llm.model import MosaicGPT
 
-    return MosaicGPT.from_pretrained(args.model), load_tokenizer(args.model)
+    # an export writes float weights (quantized again by --gguf-type): a .gguf file is dequantized
+    return MosaicGPT.from_pretrained(args.model, quantization="none"), load_tokenizer(args.model)
 
 
 def main(argv: list[str] | None = None) -> int:

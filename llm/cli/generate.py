@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import ArgumentParser, add_model_arguments, integer
+from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
 from llm.formats.registry import load_generation_config, load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
@@ -75,8 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
                    help="heuristic: adapt the draft length and draft only while it pays; constant: always "
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")
-    add_model_arguments(p, quantize_help="weight-only quantization of the model and draft (gguf: keep a .gguf file's own 4-bit blocks)",
-                        compile_help=("decode through torch.compile over a static cache (the first call of a shape compiles, "
+    add_model_arguments(p, compile_help=("decode through torch.compile over a static cache (the first call of a shape compiles, "
                         "or loads inductor's disk cache; needs a C++ compiler, else runs uncompiled with a warning)"))
     return p
 
@@ -211,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_cache is not None and not args.system:
         parser.error("--prompt-cache holds the --system prefix: give --system too")
     try:
+        set_threads(args.threads)
         dtype = getattr(torch, args.dtype)
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize)
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize,
+                                          backend=args.backend)
         tokenizer = load_tokenizer(args.model)
         draft = None
         if args.speculative == "draft":
             draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype,
-                                              quantization=args.quantize)
+                                              quantization=args.quantize, backend=args.backend)
         if args.chat and not tokenizer.chat_template:
             parser.error(f"--chat: the tokenizer of {args.model} has no chat template")
         options = _generation_config(args, tokenizer, parser.prog)

@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from llm.cli.common import ArgumentParser, add_model_arguments, integer
+from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,10 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=integer(0), default=4096,
                    help="positions of computed prompts kept for reuse by later prompts that start with them "
                         "(least recently used evicted; 0: off; default 4096)")
-    add_model_arguments(p, quantize_help="weight-only quantization (gguf: keep a .gguf file's own 4-bit blocks)",
-                        compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
+    add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
-    p.add_argument("--threads", type=integer(), help="torch threads (default: torch's, one per core)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
 
@@ -51,10 +49,9 @@ def loader(args):
         from llm.serve.engine import Engine
         from llm.serve.http import Served
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                                          quantization=args.quantize)
+                                          quantization=args.quantize, backend=args.backend)
         tokenizer = load_tokenizer(args.model)
         # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)

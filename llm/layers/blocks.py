@@ -37,6 +37,7 @@ class MosaicGPTBlock(nn.Module):
         self.ffn = build_ffn(config)
         self.resid_drop = nn.Dropout(config.resid_pdrop)
         self.fused_decode = True
+        self._fused_cache: tuple[tuple, tuple | None] | None = None
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
         parts = self._fused_parts(x, **attn_kwargs)
@@ -51,19 +52,29 @@ class MosaicGPTBlock(nn.Module):
         return x + self.resid_drop(self.ffn(self.norm_2(x)))
 
     def _fused_weights(self) -> tuple[list, list[int]] | None:
-        """The fused kernel's weights and output sizes, or None if this block cannot take it."""
-        attn, ffn = self.attn, self.ffn
-        if not (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
+        """The fused kernel's weights and output sizes, or None if this block cannot take it.
+
+        Kept between calls (a decoding step would otherwise spend about a third of its time here)
+        under the identities of the modules and tensors it reads: a module swapped, moved or cast,
+        or its kernel tensors remade, makes it anew. The kept answer holds those tensors, so their
+        identities cannot be reused while it stands."""
+        attn, ffn, norm_1, norm_2 = self.attn, self.ffn, self.norm_1, self.norm_2
+        layers = (attn._modules.get("Wqkv"), attn._modules.get("out_proj"), ffn._modules.get("gate_proj"),
+                  ffn._modules.get("up_proj"), ffn._modules.get("down_proj"))
+        key = (id(attn), id(ffn), id(norm_1), id(norm_2), id(norm_1.weight), id(norm_2.weight),
+               *(id(t) for layer in layers if layer is not None for t in (layer, *layer._buffers.values())))
+        if self._fused_cache is not None and self._fused_cache[0] == key:
+            return self._fused_cache[1]
+        fused = None
+        if (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
                 and isinstance(ffn, GLU) and ffn.act is F.silu
-                and isinstance(self.norm_1, RMSNorm) and isinstance(self.norm_2, RMSNorm)
-                and self.norm_1.eps == self.norm_2.eps
-                and self.norm_1.weight.dtype == self.norm_2.weight.dtype == torch.float32):
-            return None
-        layers = (attn.Wqkv, attn.out_proj, ffn.gate_proj, ffn.up_proj, ffn.down_proj)
-        tensors = [layer.kernel_tensors() if hasattr(layer, "kernel_tensors") else None for layer in layers]
-        if any(t is None for t in tensors):
-            return None
-        return [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
+                and isinstance(norm_1, RMSNorm) and isinstance(norm_2, RMSNorm) and norm_1.eps == norm_2.eps
+                and norm_1.weight.dtype == norm_2.weight.dtype == torch.float32):
+            tensors = [layer.kernel_tensors() if hasattr(layer, "kernel_tensors") else None for layer in layers]
+            if all(t is not None for t in tensors):
+                fused = [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
+        self._fused_cache = (key, fused)
+        return fused
 
     def fusable(self, x: torch.Tensor) -> bool:
         """Whether a step of ``x`` over a cache buffer (a mask and ``cache_position``, no ALiBi

@@ -20,11 +20,14 @@ MIN_BLOCK_ELEMENTS = 1 << 16
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-@torch.compiler.assume_constant_result
 def _num_threads() -> int:
     # torch.compile cannot trace torch.get_num_threads: a compiled graph takes the count it was
     # traced with as a constant (the split is then of the same blocks as eagerly)
     return torch.get_num_threads()
+
+
+# what torch.compiler.assume_constant_result does, without importing dynamo (seconds) at import time
+_num_threads._dynamo_marked_constant = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

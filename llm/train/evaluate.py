@@ -31,15 +31,15 @@ EVAL_FILE = "eval.json"
 
 
 def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model: str | None = None,
-                  quantization: str | None = None):
+                  quantization: str | None = None, backend: str = "auto"):
     """The model to evaluate and the eval data, as ``(ComposerMosaicGPT, RunData, source)``.
 
     With ``model`` (a bundle directory, .gguf file or registered name) the weights are loaded
     here and its tokenizer must be the data's; with ``load_path`` the model is built from
     ``cfg["model"]`` (or ``load_pretrained``) with the data's tokenizer (or ``tokenizer.name``) and
     the checkpoint is checked (:func:`llm.train.checkpointing.check_checkpoint`); Composer loads it.
-    ``quantization`` (see :meth:`~llm.model.MosaicGPT.from_pretrained`) applies to ``model`` here;
-    a checkpoint is quantized by :func:`evaluate` once Composer has loaded it.
+    ``quantization`` and ``backend`` (see :meth:`~llm.model.MosaicGPT.from_pretrained`) apply to
+    ``model`` here; a checkpoint is quantized by :func:`evaluate` once Composer has loaded it.
 
     Raises:
         ValueError: if both or neither of ``load_path`` and ``model`` are given, the checkpoint does
@@ -56,7 +56,7 @@ def load_for_eval(cfg: Mapping[str, Any], *, load_path: str | None = None, model
     eval_only = {**cfg, "train_loader": None}
     if model is not None:
         data = run_data({**eval_only, "load_pretrained": model, "model": None})
-        pretrained = MosaicGPT.from_pretrained(model, quantization=quantization)
+        pretrained = MosaicGPT.from_pretrained(model, quantization=quantization, backend=backend)
         return ComposerMosaicGPT(pretrained), data, {"model": str(model)}
     if quantization == "gguf":
         raise ValueError("--quantize gguf keeps a GGUF file's own quantization: give --model FILE.gguf")
@@ -75,12 +75,12 @@ def default_output(cfg: Mapping[str, Any], *, model: str | None) -> Path:
 
 
 def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: str | None = None,
-             quantization: str | None = None, compile: bool = False) -> dict[str, Any]:
+             quantization: str | None = None, backend: str = "auto", compile: bool = False) -> dict[str, Any]:
     """Evaluate a checkpoint (``load_path``, or ``cfg["load_path"]``) or a model (``model``).
 
-    ``quantization``: None / ``"none"``, ``"int8"``, ``"int4"`` or ``"gguf"`` (a ``.gguf`` model's
-    own blocks), as :meth:`~llm.model.MosaicGPT.from_pretrained`; ``compile``: run the forward
-    through ``torch.compile`` (``nn.Module.compile``).
+    ``quantization``: None (as stored), ``"none"``, ``"int8"``, ``"int4"`` or ``"gguf"`` (a
+    ``.gguf`` model's own blocks), and ``backend``, as :meth:`~llm.model.MosaicGPT.from_pretrained`;
+    ``compile``: run the forward through ``torch.compile`` (``nn.Module.compile``).
 
     Returns:
         The report (nothing is written: see :func:`write_report`): the source (``checkpoint`` or
@@ -103,8 +103,8 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
     cfg = load_eval_config(cfg).to_dict()
     if load_path is None and model is None:
         load_path = cfg.get("load_path")
-    quantization = None if quantization == "none" else quantization
-    composer_model, data, source = load_for_eval(cfg, load_path=load_path, model=model, quantization=quantization)
+    composer_model, data, source = load_for_eval(cfg, load_path=load_path, model=model, quantization=quantization,
+                                                 backend=backend)
     max_len = composer_model.config.max_seq_len
     seq_len = cfg.get("eval_seq_len") or min(max_len, DEFAULT_MAX_SEQ_LEN)
     if seq_len > max_len:
@@ -115,10 +115,10 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
     trainer = Trainer(model=composer_model, load_path=load_path, load_weights_only=True,
                       precision=composer_precision(cfg.get("precision"), composer_model), seed=cfg.get("seed", 17),
                       progress_bar=cfg.get("progress_bar", False), log_to_console=False, run_name="eval")
-    if quantization is not None and model is None:
+    if quantization not in (None, "none") and model is None:
         from llm.quant import quantize
 
-        quantize(composer_model.model, quantization)  # the checkpoint's weights, loaded by the Trainer
+        quantize(composer_model.model, quantization, backend=backend)  # the checkpoint's weights, loaded by the Trainer
     if compile:
         composer_model.model.compile()
     results = {}

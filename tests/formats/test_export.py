@@ -120,7 +120,7 @@ def test_an_f32_gguf_reads_back_in_ours_and_in_transformers_with_our_logits(tmp_
     model = tiny_model("llama", vocab_size=len(bpe))
     save_gguf(model, bpe, tmp_path / "m.gguf")
     ids = bpe(TEXT, return_tensors="pt").input_ids
-    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf")
+    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf", quantization="none")
     with torch.no_grad():
         ours = model(ids).logits
         torch.testing.assert_close(back(ids).logits, ours, atol=1e-4, rtol=0)
@@ -139,7 +139,7 @@ def test_a_quantized_gguf_holds_our_quantize_dequantize_weights_exactly(tmp_path
 
     model = tiny_model("llama", vocab_size=len(bpe), tie_word_embeddings=False)
     save_gguf(model, bpe, tmp_path / "m.gguf", gguf_type)
-    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf").state_dict()
+    back = MosaicGPT.from_pretrained(tmp_path / "m.gguf", quantization="none").state_dict()
     for name, weight in model.state_dict().items():
         w = weight.float().numpy()
         if w.ndim == 1:
@@ -166,7 +166,7 @@ def test_gguf_refuses_what_llama_cpp_cannot_read(tmp_path, chars, bpe):
 def smollm2():
     if not SMOLLM2.is_file():
         pytest.skip("SmolLM2 is fetched by make install")
-    return MosaicGPT.from_pretrained("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
+    return MosaicGPT.from_pretrained("smollm2-135m-instruct", quantization="none"), load_tokenizer("smollm2-135m-instruct")
 
 
 def test_re_exporting_smollm2_as_q4_1_reproduces_its_file_bit_for_bit(tmp_path, smollm2):

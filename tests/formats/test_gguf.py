@@ -43,7 +43,7 @@ def fast_transformers_gguf(monkeypatch):
 def ours():
     if not GGUF.is_file():
         pytest.skip(f"{GGUF} missing: run `make data`")
-    return MosaicGPT.from_pretrained(NAME)
+    return MosaicGPT.from_pretrained(NAME, quantization="none")
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +335,7 @@ def test_tiny_untied_gqa_model_of_mixed_tensor_types_equals_transformers(tmp_pat
              "blk.0.attn_k.weight": Q.Q4_1, "blk.1.attn_q.weight": Q.Q5_0, "blk.1.attn_k.weight": Q.F32,
              "blk.1.ffn_down.weight": Q.Q5_1}
     path = write_gguf(tmp_path / "tiny.gguf", tiny_hf_llama(), types)
-    ours = load_gguf(path, attn_impl="torch")
+    ours = load_gguf(path, attn_impl="torch", quantization="none")
     assert not ours.config.tie_word_embeddings and ours.config.kv_n_heads == 2
     ref = LlamaForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     ids, mask = left_padded([[5, 17, 3, 90, 44, 8, 61, 12, 7], [33, 2, 71, 9], [40]])
@@ -344,10 +344,10 @@ def test_tiny_untied_gqa_model_of_mixed_tensor_types_equals_transformers(tmp_pat
     torch.testing.assert_close(real(mask, ours(ids, attention_mask=mask).logits), real(mask, expected),
                                atol=1e-4, rtol=0)
     # bf16 weights load too (cast after dequantizing)
-    assert load_gguf(path, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert load_gguf(path, dtype=torch.bfloat16, quantization="none").dtype == torch.bfloat16
     # and the comparison is sensitive to the query/key un-permutation: without it, logits differ
     monkeypatch.setattr(gguf_module, "_unpermute", lambda weight, n_heads: weight)
-    wrong = load_gguf(path, attn_impl="torch")(ids, attention_mask=mask).logits
+    wrong = load_gguf(path, attn_impl="torch", quantization="none")(ids, attention_mask=mask).logits
     assert (real(mask, wrong) - real(mask, expected)).abs().max() > 0.1
 
 

@@ -18,19 +18,13 @@ from llm.generation import compiled
 from llm.kernels import cpu_quant
 from llm.layers.attention import attention_heads
 from llm.quant import Int4Linear, Int8Embedding, Int8Linear, quantize
+from llm.quant.quantize import check_backend, layer_kernels
 from tests.conftest import tiny_model
 from tests.quant.test_quant import int8_activations
 
 ROOT = Path(__file__).resolve().parents[2]
 GGUF = ROOT / PRETRAINED["smollm2-135m-instruct"]
 pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
-
-
-@pytest.fixture(autouse=True)
-def ours():
-    """Every layer of these tests made on our kernels, unless a test says otherwise."""
-    with cpu_quant.enabled():
-        yield
 
 
 def int4_reference(x, codes, scales, mins, group_size):
@@ -135,13 +129,11 @@ def test_a_non_finite_input_reaches_the_output(bad):
 @pytest.mark.parametrize("scheme", ["learned", "llama"])  # tied and untied output layers
 def test_state_dicts_load_on_either_kernel(tmp_path, method, scheme):
     ours = quantize(tiny_model(scheme), method)
-    with cpu_quant.disabled():
-        theirs = quantize(tiny_model(scheme), method)
+    theirs = quantize(tiny_model(scheme), method, backend="torch")
     assert {m.kernel for m in ours.modules() if hasattr(m, "kernel")} == {"llm"}
     assert {m.kernel for m in theirs.modules() if hasattr(m, "kernel")} == {"torch"}
     ours.save_pretrained(tmp_path / "ours")
-    with cpu_quant.disabled():
-        loaded = MosaicGPT.from_pretrained(tmp_path / "ours")
+    loaded = MosaicGPT.from_pretrained(tmp_path / "ours", backend="torch")
     assert {m.kernel for m in loaded.modules() if hasattr(m, "kernel")} == {"torch"}
     # the same codes and scales behind both (the int4 scales as float16 d, zero - 8 d on our side)
     for name, module in ours.named_modules():
@@ -186,8 +178,7 @@ def test_torch_compile_calls_the_kernels_in_a_graph(monkeypatch, tmp_path):
 def smollm2():
     if not GGUF.is_file():
         pytest.skip(f"{GGUF} missing: run `make data`")
-    with cpu_quant.enabled():
-        model = load_gguf(GGUF, quantization="gguf")
+    model = load_gguf(GGUF)
     assert model.blocks[0].attn.Wqkv.kernel == "llm" and model.lm_head.kernel == "llm"
     return model
 
@@ -195,31 +186,26 @@ def smollm2():
 PROMPT = torch.tensor([[1, 504, 2660, 314, 253, 1953, 28, 2055, 2012, 3260, 30, 378, 1953, 314]])
 
 
-def assert_greedy_up_to_ties(model, sequences, prompt_length, tolerance=0.02):
-    """Every generated token is an argmax of the uncached forward over the sequence before it, up
-    to ``tolerance`` of the logits' range: int8 activations round last-bit differences between
-    attention paths (one query or many) to different codes, so two paths part at near-ties
-    only (a wrong kernel or cache would pick tokens whole logits below the best)."""
+def assert_greedy(model, sequences, prompt_length):
+    """Every generated token is the argmax of the uncached forward over the sequence before it:
+    our kernels compute each token's logits to the same bits in any call."""
     logits = model(sequences).logits[0, prompt_length - 1:-1]
-    chosen = logits.gather(-1, sequences[0, prompt_length:, None])[:, 0]
-    shortfall = logits.max(-1).values - chosen
-    assert float(shortfall.max()) <= tolerance * float(logits.abs().max()), shortfall
+    assert torch.equal(logits.argmax(-1), sequences[0, prompt_length:])
 
 
 @torch.no_grad()
 def test_smollm2_cached_reference_draft_and_compiled_decoding_are_greedy(smollm2, monkeypatch):
     n = PROMPT.shape[1]
     plain = smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False)
-    assert_greedy_up_to_ties(smollm2, plain, n)
+    assert_greedy(smollm2, plain, n)
     lookup = smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4,
                               reference_ids=[plain[0, n:]], return_dict_in_generate=True)
-    assert_greedy_up_to_ties(smollm2, lookup.sequences, n)
+    assert torch.equal(lookup.sequences, plain)
     assert lookup.stats["forward_passes"] < 24  # the reference was taken
-    assert_greedy_up_to_ties(smollm2, smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False,
-                                                       assistant_model=smollm2), n)
+    assert torch.equal(smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, assistant_model=smollm2), plain)
     torch._dynamo.reset()
     monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")  # dynamo's graphs, run eagerly: fast to build
-    assert_greedy_up_to_ties(smollm2, smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, compile=True), n)
+    assert torch.equal(smollm2.generate(PROMPT, max_new_tokens=24, do_sample=False, compile=True), plain)
     torch._dynamo.reset()
 
 
@@ -227,7 +213,7 @@ def test_a_source_that_does_not_build_warns_once_and_says_why(tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     with pytest.warns(UserWarning, match="llm's CPU kernels are not used: building broken.cpp failed"):
-        reason = cpu_quant.build(broken)
+        reason = cpu_quant.build((broken,))
     assert reason.startswith("building broken.cpp failed (") and "ninja" not in reason  # the compiler's line
 
 
@@ -248,23 +234,18 @@ def test_no_compiler_and_a_killed_builds_lock(tmp_path):
     assert out.stdout.strip() == "None" and "left by a build that was killed" in out.stderr
 
 
-def test_the_environment_switch_and_the_override_select_torchs_kernels():
-    script = ("from llm.kernels import cpu_quant; from llm.quant import Int4Linear; import torch;"
-              "print(cpu_quant.unavailable());"
-              "print(Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel)")
-    for value, kernel in (("1", "llm"), (" Yes", "llm"), ("0", "torch"), ("", "torch"), (None, "torch"),
-                          ("2", "torch")):  # off unless switched on
-        env = {k: v for k, v in os.environ.items() if k != "LLM_CPU_KERNELS"}
-        env.update({} if value is None else {"LLM_CPU_KERNELS": value})
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
-                             cwd=ROOT)
-        assert out.stdout.split("\n")[:2] == ["None", kernel]
-        assert ("LLM_CPU_KERNELS='2' is not one of 1/0" in out.stderr) == (value == "2")
-    with cpu_quant.disabled():
-        assert not cpu_quant.available() and cpu_quant.unavailable() is None
-        layer = Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16)
-    assert layer.kernel == "torch" and cpu_quant.available()
-    assert Int4Linear.from_float(torch.randn(32, 64), None, 32, torch.bfloat16).kernel == "llm"
+def test_the_backend_selects_the_kernels_and_auto_takes_ours_here():
+    assert cpu_quant.isa() in ("avx2", "avx512")
+    weight = torch.randn(32, 64)
+    for backend, kernel in (("auto", "llm"), ("llm", "llm"), ("torch", "torch")):
+        assert Int4Linear.from_float(weight, None, 32, torch.bfloat16, backend).kernel == kernel
+        model = quantize(tiny_model("llama", d_model=64), "int8", backend=backend)
+        assert set(layer_kernels(model).values()) == {kernel}
+        assert model.blocks[0].attn.decode_kernel == (kernel == "llm")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'llm', 'torch'\), got 'fast'"):
+        quantize(tiny_model("llama"), "int8", backend="fast")
+    with pytest.raises(ValueError, match='backend "llm" runs on the CPU, not on meta'):
+        check_backend("llm", "meta")
 
 
 @pytest.mark.parametrize("batch,n_heads,kv_n_heads,seq_q,seq_k,head_dim",
@@ -277,8 +258,7 @@ def test_decode_attention_is_the_torch_paths_attention(batch, n_heads, kv_n_head
     mask = torch.rand(batch, seq_q, seq_k, generator=g) < 0.6
     mask[-1, 0] = False  # a query that sees no key: zeros
     alibi = torch.randn(batch, n_heads, seq_q, seq_k, generator=g) if bias else None
-    with cpu_quant.disabled():
-        reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=alibi, impl="torch")
+    reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=alibi, impl="torch")
     k[~mask.any(1)[:, None].expand_as(k[..., 0])] = float("nan")  # keys no query sees are never read
     out = cpu_quant.decode_attention(q, k, v, mask, head_dim ** -0.5, alibi)
     torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
@@ -299,8 +279,7 @@ def test_decode_attention_extremes_and_gradients():
     bias = torch.zeros(1, 2, 1, 16)
     bias[..., :5] = -1e30  # "-1e30 as a mask": once NaN (exp of a score 1e30 below the top)
     for b, scale in ((bias, 0.25), (None, 1e20), (None, 1e-30)):
-        with cpu_quant.disabled():
-            reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=b, softmax_scale=scale)
+        reference = attention_heads(q, k, v, attn_mask=mask[:, None], attn_bias=b, softmax_scale=scale)
         torch.testing.assert_close(cpu_quant.decode_attention(q, k, v, mask, scale, b), reference)
     # a gradient is wanted: the torch path, which has one
     q.requires_grad_()
@@ -322,27 +301,27 @@ def test_a_direct_first_call_builds_the_kernels_or_says_why(tmp_path):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("scheme", ["alibi", "llama"])
-def test_static_cache_steps_take_the_attention_kernel(scheme, monkeypatch):
-    model = tiny_model(scheme, d_model=64)  # head_dim 16
+def test_cache_steps_of_a_model_on_our_kernels_take_the_attention_kernel(monkeypatch):
+    # ALiBi blocks are not fused: their attention alone takes our kernel, in prefill and steps alike
+    model = tiny_model("alibi", d_model=64, quantization="int8", kernels="llm")  # head_dim 16
     ids = torch.randint(0, 61, (2, 9))
     mask = torch.ones(2, 9 + 6, dtype=torch.bool)
     mask[1, :3] = False
     sequences = torch.cat([ids, torch.randint(0, 61, (2, 6))], dim=1)
-    reference = model(sequences, attention_mask=mask).logits
     calls = []
     kernel = cpu_quant.decode_attention
     monkeypatch.setattr(cpu_quant, "decode_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
     decoder = compiled.StaticDecoder(model, mask, sequences.shape[1], None, compile=False)
-    decoder.prefill(ids, mask, torch.full((2,), 8))
-    assert not calls  # a prefill chunk's products stay torch's
-    for step in range(9, sequences.shape[1]):
-        logits = decoder.forward(sequences[:, step:step + 1])
-        torch.testing.assert_close(logits[:, 0], reference[:, step], atol=1e-5, rtol=1e-5)
-    assert calls == [(2, 4, 1, 16)] * (6 * model.config.n_layers)
-    with cpu_quant.disabled():  # a model made with the kernels off keeps torch's attention
-        model = tiny_model(scheme, d_model=64)
+    prefill = decoder.prefill(ids, mask, torch.full((2,), 8))
+    assert calls == [(2, 4, compiled.PREFILL_CHUNK, 16)] * model.config.n_layers
+    steps = [decoder.forward(sequences[:, step:step + 1])[:, 0] for step in range(9, sequences.shape[1])]
+    assert calls[model.config.n_layers:] == [(2, 4, 1, 16)] * (6 * model.config.n_layers)
+    reference = model(sequences, attention_mask=mask).logits
+    torch.testing.assert_close(prefill, reference[:, 8], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(steps, 1), reference[:, 9:], atol=1e-4, rtol=1e-4)
+    calls.clear()
+    model = tiny_model("alibi", d_model=64, quantization="int8", kernels="torch")
     decoder = compiled.StaticDecoder(model, mask, sequences.shape[1], None, compile=False)
     decoder.prefill(ids, mask, torch.full((2,), 8))
     decoder.forward(sequences[:, 9:10])
-    assert len(calls) == 6 * model.config.n_layers
+    assert not calls

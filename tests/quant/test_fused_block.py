@@ -21,12 +21,6 @@ from tests.conftest import tiny_model
 pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
 
 
-@pytest.fixture(autouse=True)
-def ours():
-    with cpu_quant.enabled():
-        yield
-
-
 def step_inputs(model, batch: int, seq: int, capacity: int = 48, start: int = 20, seed: int = 0):
     """A static cache of random keys and values, x, the buffer positions, the mask (row 1 left-padded
     by 4) and the rotation of a decoding step of ``seq`` tokens after ``start`` cached positions."""
@@ -117,18 +111,19 @@ def test_only_blocks_it_fits_take_it(monkeypatch):
         run_block(model.blocks[0], x, cache, kwargs, fused=True)
         assert len(calls) == (name == "the fused Llama block"), name
     model = cases["the fused Llama block"]
-    cache, x, kwargs = step_inputs(model, 2, 9)  # more tokens than a decoding step
+    cache, x, kwargs = step_inputs(model, 2, 9)  # any number of tokens (a prefill chunk)
     run_block(model.blocks[0], x, cache, kwargs, fused=True)
+    assert len(calls) == 2
     x.requires_grad_()
     cache, _, kwargs = step_inputs(model, 2, 1)
     model.blocks[0](x[:, :1], past_key_values=cache, **kwargs)  # a gradient is wanted
-    assert len(calls) == 1
+    assert len(calls) == 2
     cache, x, kwargs = step_inputs(model, 2, 1)
     out = model.blocks[0](x, past_key_values=cache, **kwargs)  # the norms' weights want one
-    assert len(calls) == 1 and out.requires_grad
+    assert len(calls) == 2 and out.requires_grad
     with torch.no_grad():
         model.blocks[0](x, past_key_values=cache, **kwargs)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_compiled_it_stays_one_call_that_writes_the_caches_in_place(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ from llm.kernels import cpu_quant
 from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import int4_groups
+from llm.quant.quantize import default_activation_dtype
 from tests.conftest import tiny_model
 
 GGUF = Path(__file__).resolve().parents[2] / PRETRAINED["smollm2-135m-instruct"]
@@ -56,26 +57,24 @@ def check_blocks(tensor, rows: int, cols: int) -> None:
     reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(rows, cols).astype(np.float32))
     if cpu_quant.unavailable() is None:
         # our kernel keeps the block's float16 d and m themselves: the file's weights, exactly
-        with cpu_quant.enabled():
-            ours = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16)
+        ours = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16, "llm")
         assert ours.kernel == "llm" and torch.equal(ours.codes(), codes)
         assert all(torch.equal(a, b) for a, b in zip(ours.groups(), (scales, zeros)))
         torch.testing.assert_close(kernel_weight(ours), reference, atol=1e-6 * float(reference.abs().max()), rtol=0)
-    with cpu_quant.disabled():
-        check_torch_kernel_blocks(codes, scales, zeros, reference, rows, cols)
+    check_torch_kernel_blocks(codes, scales, zeros, reference, rows, cols)
 
 
 def check_torch_kernel_blocks(codes, scales, zeros, reference, rows: int, cols: int) -> None:
-    exact = Int4Linear(codes, scales, zeros, None, 32, torch.float32)
+    exact = Int4Linear(codes, scales, zeros, None, 32, torch.float32, "torch")
     # the file's codes are kept: reading them back gives them unchanged
     assert torch.equal(exact.codes(), codes)
     # with float32 scales the kernel multiplies by the GGUF's own dequantization (up to fp32 rounding
     # of (q - 8) d + (m + 8 d) against q d + m)
     torch.testing.assert_close(kernel_weight(exact), reference, atol=1e-6 * float(reference.abs().max()), rtol=0)
     # with bfloat16 scales (the fast path) the only change is the rounding of d and m + 8d to bfloat16
-    fast = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16)
+    fast = Int4Linear(codes, scales, zeros, None, 32, torch.bfloat16, "torch")
     assert torch.equal(fast.scales_and_zeros.float(), torch.stack([scales.t(), zeros.t()], -1).bfloat16().float())
-    rounded = Int4Linear(codes, scales.bfloat16().float(), zeros.bfloat16().float(), None, 32, torch.float32)
+    rounded = Int4Linear(codes, scales.bfloat16().float(), zeros.bfloat16().float(), None, 32, torch.float32, "torch")
     bound = (8 * scales.abs() + zeros.abs()) * 2**-8 + 1e-6  # bfloat16 keeps 8 significant bits
     error = (kernel_weight(rounded) - reference).abs().view(rows, cols // 32, 32).amax(-1)
     assert bool((error <= bound).all())
@@ -101,9 +100,9 @@ def test_gguf_native_model_keeps_the_files_projections():
     sources = _sources(reader, gguf_config(reader))
     # the fused, unpermuted Wqkv of a layer: its codes are the file's q, k and v codes
     wqkv = model.blocks[3].attn.Wqkv
-    assert isinstance(wqkv, Int4Linear) and wqkv.activation_dtype == torch.bfloat16
+    assert isinstance(wqkv, Int4Linear) and wqkv.activation_dtype == default_activation_dtype()
     reference = _float(sources["blocks.3.attn.Wqkv.weight"], reader.path)
-    exact = Int4Linear(wqkv.codes(), *wqkv.groups(), None, 32, torch.float32)
+    exact = Int4Linear(wqkv.codes(), *wqkv.groups(), None, 32, torch.float32, "torch")
     error = float((kernel_weight(exact) - reference).abs().max())
     if wqkv.kernel == "llm":  # float16 d and m: the file's own
         assert error <= 1e-6 * float(reference.abs().max())
@@ -125,9 +124,8 @@ def test_quantized_linears_multiply_by_their_dequantized_weights(method, kernel)
         pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(2, 5, 64)
-    with cpu_quant.enabled() if kernel == "llm" else cpu_quant.disabled():
-        module = (Int8Linear.from_float(weight, bias, torch.bfloat16) if method == "int8"
-                  else Int4Linear.from_float(weight, bias, 32, torch.bfloat16))
+    module = (Int8Linear.from_float(weight, bias, torch.bfloat16, kernel) if method == "int8"
+              else Int4Linear.from_float(weight, bias, 32, torch.bfloat16, kernel))
     assert module.kernel == kernel
     if method == "int8":
         dequantized = module.codes().float() * module.scales[:, None]
@@ -245,8 +243,7 @@ def test_torchs_int8_kernel_takes_float32_activations_where_bfloat16_would_misre
     torch.manual_seed(0)
     for in_features in (40, 100):
         weight, x = torch.randn(96, in_features), torch.randn(18, in_features)
-        with cpu_quant.disabled():
-            layer = Int8Linear.from_float(weight, None, torch.bfloat16)
+        layer = Int8Linear.from_float(weight, None, torch.bfloat16, "torch")
         assert layer.kernel_scales.dtype == torch.float32
         reference = x @ (layer.codes().float() * layer.scales[:, None]).t()
         torch.testing.assert_close(layer(x), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
@@ -256,9 +253,9 @@ def test_torchs_int8_kernel_takes_float32_activations_where_bfloat16_would_misre
 def test_int8_kernel_scales_follow_loaded_and_cast_scales(ours):
     if ours and cpu_quant.unavailable():
         pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
-    with cpu_quant.enabled() if ours else cpu_quant.disabled():
-        layer = Int8Linear.from_float(torch.randn(64, 32), None, torch.bfloat16)
-        other = Int8Linear.from_float(4 * torch.randn(64, 32), None, torch.bfloat16)
+    backend = "llm" if ours else "torch"
+    layer = Int8Linear.from_float(torch.randn(64, 32), None, torch.bfloat16, backend)
+    other = Int8Linear.from_float(4 * torch.randn(64, 32), None, torch.bfloat16, backend)
     x = torch.randn(3, 32)
     layer.load_state_dict(other.state_dict())
     assert "kernel_scales" not in layer.state_dict()  # a cast copy, not saved
