@@ -293,7 +293,7 @@ class MosaicGPT(nn.Module):
             else:
                 key_positions = attention_mask.long().cumsum(-1)
             attn_bias = alibi_bias(slopes, key_positions, x.dtype)
-        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fusable(x) for b in self.blocks)
+        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fused_weights_for(x) is not None for b in self.blocks)
         if fused:
             x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary)
         else:
@@ -396,7 +396,7 @@ class MosaicGPT(nn.Module):
                            rotary=rotary, cache_position=cache_position)
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fusable(x) for b in self.blocks)
+        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fused_weights_for(x) is not None for b in self.blocks)
         return self._logits(x, fused)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):

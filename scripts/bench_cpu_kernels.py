@@ -53,8 +53,7 @@ def main(argv=None) -> int:
     for row in rows:
         name = row.removesuffix(" compiled")
         if name not in models:
-            with cpu_quant.disabled() if "torch's" in name else cpu_quant.enabled():
-                models[name] = load_ours(args.pretrained, name.split(",")[0])
+            models[name] = load_ours(args.pretrained, name.split(",")[0], "torch" if "torch's" in name else "llm")
     threads = torch.get_num_threads()
     llama = LlamaCpp(path, n_threads=threads, n_ctx=len(prompt) + n + 16, n_seq_max=1)
     calls = {row: (lambda k, clock=None, m=models[row.removesuffix(" compiled")], c=row.endswith(" compiled"):

@@ -41,7 +41,7 @@ from llm.kernels import cpu_quant
 from llm.model import MosaicGPT
 
 #: Our modes: (quantization, compiled, kernels): "torch" for torch's int4/int8 kernels (the
-#: default), "llm" for ours (llm/kernels/cpu_quant.cpp, LLM_CPU_KERNELS=1).
+#: backend "torch"), "llm" for ours (llm/kernels/cpu_quant.cpp, backend "llm").
 OURS = [("none", False, "torch"), ("none", True, "torch"), ("int8", False, "torch"), ("int8", True, "torch"),
         ("int4", False, "torch"), ("int4", True, "torch"), ("gguf", False, "torch"), ("gguf", True, "torch"),
         ("int8", True, "llm"), ("gguf", True, "llm")]
@@ -90,8 +90,8 @@ def llama_nll(llama: LlamaCpp, blocks) -> float:
     return total
 
 
-def load_ours(name: str, quantization: str) -> MosaicGPT:
-    return MosaicGPT.from_pretrained(name, quantization=quantization)
+def load_ours(name: str, quantization: str, backend: str = "torch") -> MosaicGPT:
+    return MosaicGPT.from_pretrained(name, quantization=quantization, backend=backend)
 
 
 def _child(args) -> int:
@@ -105,7 +105,7 @@ def _child(args) -> int:
         if args.compile:
             model.forward = torch.compile(model.forward, dynamic=False)
     else:
-        model = load_ours(args.pretrained, args.child)
+        model = load_ours(args.pretrained, args.child, args.backend)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     _generate(args.child == "hf", model, ids, 8, args.compile, tokenizer)
@@ -139,8 +139,8 @@ def clocked(call, batch: int):
 
 def _in_child(args, engine: str, compile: bool, cache_dir: str, kernels: str = "torch") -> dict:
     argv = [sys.executable, "-m", "llm.generation.bench_fast", "--child", engine, "--pretrained", args.pretrained,
-            "--threads", str(torch.get_num_threads())] + (["--compile"] if compile else [])
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "LLM_CPU_KERNELS": "1" if kernels == "llm" else "0"}
+            "--threads", str(torch.get_num_threads()), "--backend", kernels] + (["--compile"] if compile else [])
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     status, out, err, rss_kb = child_peak_rss(argv, timeout=1800, env=env)
     if status != 0:
         raise RuntimeError(f"{engine} child exited with {status}: {err[-800:]}")
@@ -185,8 +185,7 @@ def fast_table(args) -> dict:
     models = {}
     for q, _, kernels in ours:
         if (q, kernels) not in models:
-            with cpu_quant.enabled() if kernels == "llm" else cpu_quant.disabled():
-                models[(q, kernels)] = load_ours(args.pretrained, q)
+            models[(q, kernels)] = load_ours(args.pretrained, q, kernels)
     hf = hf_llama(models[("none", "torch")])
     hf_compiled = hf_llama(models[("none", "torch")])
     hf_compiled.forward = torch.compile(hf_compiled.forward, dynamic=False)
@@ -273,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrained", required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--backend", choices=["auto", "llm", "torch"], default="torch")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     return _child(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -54,44 +55,53 @@ class MosaicGPTBlock(nn.Module):
     def _fused_weights(self) -> tuple[list, list[int]] | None:
         """The fused kernel's weights and output sizes, or None if this block cannot take it.
 
-        Kept between calls (a decoding step would otherwise spend about a third of its time here)
-        under the identities of the modules and tensors it reads: a module swapped, moved or cast,
-        or its kernel tensors remade, makes it anew. The kept answer holds those tensors, so their
-        identities cannot be reused while it stands."""
-        attn, ffn, norm_1, norm_2 = self.attn, self.ffn, self.norm_1, self.norm_2
+        Kept between eager calls (a decoding step would otherwise spend about a third of its time
+        here) under the identities of the modules and tensors it reads: a module swapped, moved or
+        cast, or its kernel tensors remade, makes it anew. The kept answer holds those tensors, so
+        their identities cannot be reused while it stands. A compiled graph asks once, when traced."""
+        attn, ffn = self.attn, self.ffn
         layers = (attn._modules.get("Wqkv"), attn._modules.get("out_proj"), ffn._modules.get("gate_proj"),
                   ffn._modules.get("up_proj"), ffn._modules.get("down_proj"))
-        key = (id(attn), id(ffn), id(norm_1), id(norm_2), id(norm_1.weight), id(norm_2.weight),
-               *(id(t) for layer in layers if layer is not None for t in (layer, *layer._buffers.values())))
-        if self._fused_cache is not None and self._fused_cache[0] == key:
-            return self._fused_cache[1]
-        fused = None
-        if (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
+        if torch.compiler.is_compiling():
+            return self._find_fused_weights(layers)
+        norm_1, norm_2 = self.norm_1, self.norm_2
+        key = tuple(map(id, (attn, ffn, norm_1, norm_2, norm_1.weight, norm_2.weight, *layers,
+                             *chain.from_iterable(layer._buffers.values() for layer in layers if layer is not None))))
+        if self._fused_cache is None or self._fused_cache[0] != key:
+            self._fused_cache = (key, self._find_fused_weights(layers))
+        return self._fused_cache[1]
+
+    def _find_fused_weights(self, layers: tuple) -> tuple[list, list[int]] | None:
+        attn, ffn, norm_1, norm_2 = self.attn, self.ffn, self.norm_1, self.norm_2
+        if not (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
                 and isinstance(ffn, GLU) and ffn.act is F.silu
                 and isinstance(norm_1, RMSNorm) and isinstance(norm_2, RMSNorm) and norm_1.eps == norm_2.eps
                 and norm_1.weight.dtype == norm_2.weight.dtype == torch.float32):
-            tensors = [layer.kernel_tensors() if hasattr(layer, "kernel_tensors") else None for layer in layers]
-            if all(t is not None for t in tensors):
-                fused = [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
-        self._fused_cache = (key, fused)
-        return fused
+            return None
+        tensors = [layer.kernel_tensors() if hasattr(layer, "kernel_tensors") else None for layer in layers]
+        if any(t is None for t in tensors):
+            return None
+        return [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
 
-    def fusable(self, x: torch.Tensor) -> bool:
-        """Whether a step of ``x`` over a cache buffer (a mask and ``cache_position``, no ALiBi
-        bias or padding masks) would take the fused kernel."""
-        return (self.fused_decode and not self.training and x.dtype == torch.float32 and x.device.type == "cpu"
+    def fused_weights_for(self, x: torch.Tensor) -> tuple[list, list[int]] | None:
+        """The fused kernel's weights and output sizes if a step of ``x`` over a cache buffer (a
+        mask and ``cache_position``, no ALiBi bias or padding masks) would take it, else None."""
+        if not (self.fused_decode and not self.training and x.dtype == torch.float32 and x.device.type == "cpu"
                 # the kernel records no gradient: where one is wanted, the layers run
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.norm_1.weight.requires_grad
-                                                      or self.norm_2.weight.requires_grad))
-                and self._fused_weights() is not None)
+                                                      or self.norm_2.weight.requires_grad))):
+            return None
+        return self._fused_weights()
 
     def _fused_parts(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
                      key_padding_mask=None, query_padding_mask=None) -> _Fused | None:
         """What the fused kernel needs of this block for this step, or None if it does not apply."""
         if (cache_position is None or attn_mask is None or attn_bias is not None or key_padding_mask is not None
-                or query_padding_mask is not None or not self.fusable(x)):
+                or query_padding_mask is not None):
             return None
-        fused = self._fused_weights()
+        fused = self.fused_weights_for(x)
+        if fused is None:
+            return None
         keys, values = past_key_values.storage(self.attn.layer_idx)
         if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
             return None
