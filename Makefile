@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DATA_STAMP := data/.fetched
 WHEELS := data/wheels
 
-.PHONY: install kernels data data-english train test clean bench-peers
+.PHONY: install kernels data data-english train test clean bench-peers llama-tools
 
 SHAKESPEARE_BPE := data/shakespeare/bpe-2048/llm_data.json
 SHAKESPEARE_CHAR := data/shakespeare/char/llm_data.json
@@ -101,7 +101,24 @@ $(PEERS_STAMP): $(STAMP)
 	$(PIP) check
 	touch $@
 
-bench-peers: $(PEERS_STAMP) $(DATA_STAMP)
+# llama.cpp's own tools (llama-bench, llama-cli, llama-quantize, llama-server), built with CMake for this CPU
+# from the llama.cpp source that llama-cpp-python's source distribution carries (vendor/llama.cpp).
+LLAMA_SRC := $(PEERS_VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON)
+LLAMA_BUILD := $(PEERS_VENV)/llama.cpp
+
+$(LLAMA_BUILD)/.built: $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/pip install --no-deps cmake==3.31.6
+	mkdir -p $(PEERS_VENV)/src
+	$(PEERS_VENV)/bin/pip download --no-deps --no-binary :all: -d $(PEERS_VENV)/src llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar -xzf $(PEERS_VENV)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(PEERS_VENV)/src
+	$(PEERS_VENV)/bin/cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF
+	$(PEERS_VENV)/bin/cmake --build $(LLAMA_BUILD) -j 2 --target llama-bench llama-cli llama-quantize llama-server
+	touch $@
+
+llama-tools: $(LLAMA_BUILD)/.built
+
+bench-peers: $(PEERS_STAMP) $(LLAMA_BUILD)/.built $(DATA_STAMP)
 	$(PEERS_VENV)/bin/python scripts/bench_generate.py --fast $(BENCH_PEERS_ARGS)
 
 clean:
