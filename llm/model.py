@@ -293,9 +293,11 @@ class MosaicGPT(nn.Module):
             else:
                 key_positions = attention_mask.long().cumsum(-1)
             attn_bias = alibi_bias(slopes, key_positions, x.dtype)
-        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fused_weights_for(x) is not None for b in self.blocks)
+        plans = self._fused_weights(x) if attn_bias is None else None
+        fused = plans is not None
         if fused:
-            x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary)
+            x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary,
+                                         plans)
         else:
             query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
             for block in self.blocks:
@@ -310,8 +312,13 @@ class MosaicGPT(nn.Module):
             cache = cache.to_legacy()
         return CausalLMOutput(logits=logits, past_key_values=cache)
 
+    def _fused_weights(self, x: torch.Tensor) -> list | None:
+        """Every block's fused kernel weights for a step of ``x``, or None unless all blocks take it."""
+        plans = [b.fused_weights_for(x) if isinstance(b, MosaicGPTBlock) else None for b in self.blocks]
+        return plans if all(p is not None for p in plans) else None
+
     def _blocks_over_buffer(self, x: torch.Tensor, cache: Cache, attention_mask: torch.Tensor | None, past: int,
-                            rotary) -> torch.Tensor:
+                            rotary, fused: list) -> torch.Tensor:
         """The blocks as a static cache's step runs them (:meth:`forward_static`): the new keys
         written into the cache's storage at ``past`` onwards, every query over the whole buffer
         through a mask. The fused kernel's way, taken by every forward it can run, so that a
@@ -325,7 +332,7 @@ class MosaicGPT(nn.Module):
         cache_position = torch.arange(past, total, device=x.device)
         causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
         x = forward_blocks(self.blocks, x, past_key_values=cache, attn_mask=(causal[None] & key_mask[:, None])[:, None],
-                           rotary=rotary, cache_position=cache_position)
+                           rotary=rotary, cache_position=cache_position, fused=fused)
         cache.set_seq_length(total)
         return x
 
@@ -396,8 +403,7 @@ class MosaicGPT(nn.Module):
                            rotary=rotary, cache_position=cache_position)
         if logits_index is not None:
             x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        fused = attn_bias is None and all(isinstance(b, MosaicGPTBlock) and b.fused_weights_for(x) is not None for b in self.blocks)
-        return self._logits(x, fused)
+        return self._logits(x, attn_bias is None and self._fused_weights(x) is not None)
 
     def generate(self, input_ids: torch.Tensor | None = None, **kwargs):
         """Decode new tokens, without autograd; see :func:`llm.generation.generate` for every argument."""

@@ -23,7 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <ctime>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -111,6 +114,58 @@ void prefetch_block(const QWeight& w, int64_t b) {
   const char* m = reinterpret_cast<const char*>(w.mins + b * KG * kLanes);
   for (int64_t i = 0; i < side; i += 64) _mm_prefetch(d + i, _MM_HINT_T1), _mm_prefetch(m + i, _MM_HINT_T1);
 #endif
+}
+
+// Pacing on a busy machine. A team of threads that meets at barriers (run_blocks: about 150 a token
+// on SmolLM2) waits at each for its slowest member; where another process takes one of the cores, a
+// member descheduled for a time slice (milliseconds) holds every barrier up: two threads then decode
+// ten times slower than one. So each team call measures how much of its wall time every member
+// got on a CPU (CLOCK_THREAD_CPUTIME_ID; a member waiting at a barrier spins, and that counts): if
+// one got less than kBusyShare of it, the following calls run on the calling thread alone, for a
+// stretch that doubles while the machine stays busy (kSoloFirst .. kSoloMost calls) and is probed
+// again after it. Results do not depend on the threads (see cpu_quant_simd.h), only speed does.
+constexpr double kBusyShare = 0.6;
+constexpr int64_t kSoloFirst = 32, kSoloMost = 2048;
+constexpr double kJudgedCallS = 1e-3;  // shorter calls are not judged (waking the team weighs on them)
+
+struct Pace {
+  std::atomic<int64_t> solo{0};           // calls left to run on one thread
+  std::atomic<int64_t> stretch{kSoloFirst};
+};
+
+Pace& pace() {
+  static Pace p;
+  return p;
+}
+
+// The threads for the next team call: 1 while the machine was found busy, else `threads`.
+int team_threads(int threads) {
+  if (threads > 1 && pace().solo.load(std::memory_order_relaxed) > 0) {
+    pace().solo.fetch_sub(1, std::memory_order_relaxed);
+    return 1;
+  }
+  return threads;
+}
+
+// Whether single-threaded calls (the separate kernels) should keep to the calling thread now.
+bool pace_solo() { return pace().solo.load(std::memory_order_relaxed) > 0; }
+
+// A team call of `team` threads took `wall` seconds, its least served member `least_cpu` of CPU.
+void observe(int team, double wall, double least_cpu) {
+  if (team < 2 || wall < kJudgedCallS) return;
+  if (least_cpu < kBusyShare * wall) {
+    const int64_t n = pace().stretch.load(std::memory_order_relaxed);
+    pace().solo.store(n, std::memory_order_relaxed);
+    pace().stretch.store(std::min(2 * n, kSoloMost), std::memory_order_relaxed);
+  } else {
+    pace().stretch.store(kSoloFirst, std::memory_order_relaxed);
+  }
+}
+
+double thread_cpu_s() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
 // One block's weights and caches for run_blocks.
@@ -395,6 +450,12 @@ at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, doub
 
 const std::string cpu_isa() { return isa(); }
 
+// The pacing's state, for tests: (calls left on one thread, the next stretch).
+std::vector<int64_t> pace_state() { return {pace().solo.load(), pace().stretch.load()}; }
+
+// Set the pacing's state (tests): calls left on one thread, the next stretch.
+void set_pace(int64_t solo, int64_t stretch) { pace().solo.store(solo), pace().stretch.store(stretch); }
+
 // Distinct threads that one at::parallel_for of `tasks` tasks ran on: 1 when the extension was
 // built without OpenMP (at::parallel_for's pragma is then ignored and every kernel runs serially).
 int64_t parallel_threads(int64_t tasks) {
@@ -411,6 +472,8 @@ int64_t parallel_threads(int64_t tasks) {
 TORCH_LIBRARY(llm, m) {
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("parallel_threads(int tasks) -> int", &parallel_threads);
+  m.def("pace_state() -> int[]", &pace_state);
+  m.def("set_pace(int solo, int stretch) -> ()", &set_pace);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -108,6 +108,31 @@ def available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and unavailable() is None
 
 
+_changes = 0
+
+
+def changed() -> None:
+    """Note that a module whose tensors the fused blocks read has changed (a submodule or
+    parameter set, kernel tensors remade by a load, a move or a cast): what a block keeps for
+    :func:`decoder_blocks` is looked up again (:meth:`llm.layers.blocks.MosaicGPTBlock.fused_weights_for`)."""
+    global _changes
+    _changes += 1
+
+
+def changes() -> int:
+    """How many times :func:`changed` has been called in this process."""
+    return _changes
+
+
+class Watched:
+    """A mixin for ``nn.Module`` classes whose attributes the fused blocks read: setting any
+    attribute (a submodule swapped, a parameter replaced) calls :func:`changed`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        changed()
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("llm::int4_linear")
     def _(x, codes, scales, mins, group_size, n):

@@ -300,7 +300,7 @@ inline void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b,
 inline void project(const QWeight& w, const float* x, int64_t M, float* out) {
   Acts a;
   quantize_acts(x, M, w.k, w.int4 ? w.group : w.k, a);
-  at::parallel_for(0, w.blocks, grain(w.blocks), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, w.blocks, pace_solo() ? w.blocks : grain(w.blocks), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) project_block(w, a, M, b, out + b * kLanes, w.n);
   });
 }
@@ -517,7 +517,7 @@ struct Attention {
 
 // attention over (B, KV, S, G, D) queries into out (B, S, H, D), split over torch's threads
 inline void attention(Attention& attn, float* out) {
-  at::parallel_for(0, attn.tasks(), 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, attn.tasks(), pace_solo() ? attn.tasks() : 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(attn.scratch());
     for (int64_t t = t0; t < t1; ++t) attn.task(t, s.data(), out);
   });
@@ -563,8 +563,11 @@ inline void run_blocks(const Blocks& a, float* x) {
   const int64_t M = a.B * a.S, H = a.H, KV = a.KV, D = a.D, T = a.T, S = a.S, G = H / KV, Dm = a.Dm,
                 Nqkv = (H + 2 * KV) * D, hidden = a.hidden;
   std::vector<float> qkv(M * Nqkv), q(M * H * D), act(M * hidden), attn_out(M * H * D);
-  const int threads = at::get_num_threads();
+  const int threads = team_threads(at::get_num_threads());
   Attention attn(q.data(), a.layers[0].kc, a.layers[0].vc, a.mask, nullptr, a.B, KV, S, G, D, T, a.scale, threads);
+  std::vector<double> cpu(threads, 0.0);
+  int64_t team_size = 1;
+  const auto started = std::chrono::steady_clock::now();
 
 #pragma omp parallel num_threads(threads)
   {
@@ -573,6 +576,7 @@ inline void run_blocks(const Blocks& a, float* x) {
 #else
     const int64_t team = 1, me = 0;
 #endif
+    const double cpu0 = thread_cpu_s();
     // this thread's blocks of a projection under schedule(static): the first `blocks % team` threads one more
     auto share = [&](int64_t blocks) {
       const int64_t base = blocks / team, extra = blocks % team;
@@ -640,5 +644,9 @@ inline void run_blocks(const Blocks& a, float* x) {
       if (&y != &a.layers.back()) warm((&y + 1)->wqkv);
 #pragma omp barrier
     }
+    cpu[me] = thread_cpu_s() - cpu0;
+    if (me == 0) team_size = team;
   }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  observe(static_cast<int>(team_size), wall, *std::min_element(cpu.begin(), cpu.begin() + team_size));
 }

@@ -231,7 +231,7 @@ def scaled_multihead_dot_product_attention(
     return rearrange(out, "b h s d -> b s (h d)")
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(cpu_quant.Watched, nn.Module):
     """Self-attention block layer: fused QKV projection, optional rotary positions, KV cache.
 
     Parameter names follow MPT: ``Wqkv`` (d_model -> (n_heads + 2 * kv_n_heads) * head_dim) and

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -17,7 +16,7 @@ from llm.layers.ffn import GLU, build_ffn
 from llm.layers.norm import RMSNorm, build_norm
 
 
-class MosaicGPTBlock(nn.Module):
+class MosaicGPTBlock(cpu_quant.Watched, nn.Module):
     """``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``, with residual dropout.
 
     (batch, seq, d_model) -> (batch, seq, d_model); keyword arguments go to the attention.
@@ -38,7 +37,7 @@ class MosaicGPTBlock(nn.Module):
         self.ffn = build_ffn(config)
         self.resid_drop = nn.Dropout(config.resid_pdrop)
         self.fused_decode = True
-        self._fused_cache: tuple[tuple, tuple | None] | None = None
+        self._fused_cache: tuple[int, tuple | None] | None = None
 
     def forward(self, x: torch.Tensor, **attn_kwargs) -> torch.Tensor:
         parts = self._fused_parts(x, **attn_kwargs)
@@ -52,27 +51,26 @@ class MosaicGPTBlock(nn.Module):
         x = x + self.resid_drop(self.attn(self.norm_1(x), **attn_kwargs))
         return x + self.resid_drop(self.ffn(self.norm_2(x)))
 
-    def _fused_weights(self) -> tuple[list, list[int]] | None:
-        """The fused kernel's weights and output sizes, or None if this block cannot take it.
+    def _fused_weights(self) -> tuple[list, list, tuple] | None:
+        """The fused kernel's weights, norm weights and the shape that blocks in one call share
+        (eps, n_heads, head_dim, out_features), or None if this block cannot take it.
 
-        Kept between eager calls (a decoding step would otherwise spend about a third of its time
-        here) under the identities of the modules and tensors it reads: a module swapped, moved or
-        cast, or its kernel tensors remade, makes it anew. The kept answer holds those tensors, so
-        their identities cannot be reused while it stands. A compiled graph asks once, when traced."""
-        attn, ffn = self.attn, self.ffn
-        layers = (attn._modules.get("Wqkv"), attn._modules.get("out_proj"), ffn._modules.get("gate_proj"),
-                  ffn._modules.get("up_proj"), ffn._modules.get("down_proj"))
+        Kept between eager calls (looking them up took a sizeable share of a decoding step) until
+        :func:`llm.kernels.cpu_quant.changed` says a module they come from has changed: a module
+        swapped, a norm weight replaced, or a quantized layer's kernel tensors remade (a load, a
+        move, a cast). A compiled graph looks them up once, when traced."""
         if torch.compiler.is_compiling():
-            return self._find_fused_weights(layers)
-        norm_1, norm_2 = self.norm_1, self.norm_2
-        key = tuple(map(id, (attn, ffn, norm_1, norm_2, norm_1.weight, norm_2.weight, *layers,
-                             *chain.from_iterable(layer._buffers.values() for layer in layers if layer is not None))))
-        if self._fused_cache is None or self._fused_cache[0] != key:
-            self._fused_cache = (key, self._find_fused_weights(layers))
+            return self._find_fused_weights()
+        version = cpu_quant.changes()
+        if self._fused_cache is None or self._fused_cache[0] != version:
+            # not through __setattr__, which would call changed() itself
+            self.__dict__["_fused_cache"] = (version, self._find_fused_weights())
         return self._fused_cache[1]
 
-    def _find_fused_weights(self, layers: tuple) -> tuple[list, list[int]] | None:
+    def _find_fused_weights(self) -> tuple[list, list, tuple] | None:
         attn, ffn, norm_1, norm_2 = self.attn, self.ffn, self.norm_1, self.norm_2
+        layers = (attn._modules.get("Wqkv"), attn._modules.get("out_proj"), ffn._modules.get("gate_proj"),
+                  ffn._modules.get("up_proj"), ffn._modules.get("down_proj"))
         if not (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
                 and isinstance(ffn, GLU) and ffn.act is F.silu
                 and isinstance(norm_1, RMSNorm) and isinstance(norm_2, RMSNorm) and norm_1.eps == norm_2.eps
@@ -81,10 +79,11 @@ class MosaicGPTBlock(nn.Module):
         tensors = [layer.kernel_tensors() if hasattr(layer, "kernel_tensors") else None for layer in layers]
         if any(t is None for t in tensors):
             return None
-        return [t for triple in tensors for t in triple], [layer.out_features for layer in layers]
+        shape = (norm_1.eps, attn.n_heads, attn.head_dim, tuple(layer.out_features for layer in layers))
+        return [t for triple in tensors for t in triple], [norm_1.weight, norm_2.weight], shape
 
-    def fused_weights_for(self, x: torch.Tensor) -> tuple[list, list[int]] | None:
-        """The fused kernel's weights and output sizes if a step of ``x`` over a cache buffer (a
+    def fused_weights_for(self, x: torch.Tensor) -> tuple[list, list, tuple] | None:
+        """The fused kernel's weights (see :meth:`_fused_weights`) if a step of ``x`` over a cache buffer (a
         mask and ``cache_position``, no ALiBi bias or padding masks) would take it, else None."""
         if not (self.fused_decode and not self.training and x.dtype == torch.float32 and x.device.type == "cpu"
                 # the kernel records no gradient: where one is wanted, the layers run
@@ -94,20 +93,21 @@ class MosaicGPTBlock(nn.Module):
         return self._fused_weights()
 
     def _fused_parts(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
-                     key_padding_mask=None, query_padding_mask=None) -> _Fused | None:
-        """What the fused kernel needs of this block for this step, or None if it does not apply."""
+                     key_padding_mask=None, query_padding_mask=None, fused=...) -> _Fused | None:
+        """What the fused kernel needs of this block for this step, or None if it does not apply;
+        ``fused``: :meth:`fused_weights_for` of ``x`` when the caller has it."""
         if (cache_position is None or attn_mask is None or attn_bias is not None or key_padding_mask is not None
                 or query_padding_mask is not None):
             return None
-        fused = self.fused_weights_for(x)
+        if fused is ...:
+            fused = self.fused_weights_for(x)
         if fused is None:
             return None
         keys, values = past_key_values.storage(self.attn.layer_idx)
         if keys.dtype != torch.float32 or not (keys.is_contiguous() and values.is_contiguous()):
             return None
-        weights, out_features = fused
-        return _Fused([self.norm_1.weight, self.norm_2.weight], weights, keys, values,
-                      (self.norm_1.eps, self.attn.n_heads, self.attn.head_dim, tuple(out_features)))
+        weights, norms, shape = fused
+        return _Fused(norms, weights, keys, values, shape)
 
 
 class _Fused(NamedTuple):
@@ -119,7 +119,8 @@ class _Fused(NamedTuple):
 
 
 def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None,
-                   cache_position=None, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
+                   cache_position=None, key_padding_mask=None, query_padding_mask=None,
+                   fused: list | None = None) -> torch.Tensor:
     """``x`` through ``blocks`` (:class:`MosaicGPTBlock`) in order, with the arguments of their
     ``forward``: in a step over a cache buffer (float32 tokens on the CPU, no gradient, a mask and
     ``cache_position``, no ALiBi bias or padding masks), each run of
@@ -130,6 +131,8 @@ def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None
     Args:
         blocks: a sequence of :class:`MosaicGPTBlock`.
         x: (batch, seq, d_model) hidden states.
+        fused: each block's :meth:`MosaicGPTBlock.fused_weights_for` of ``x``, when the caller
+            has them (else they are looked up here).
 
     Returns:
         (batch, seq, d_model): the last block's output.
@@ -138,9 +141,10 @@ def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None
                   cache_position=cache_position, key_padding_mask=key_padding_mask,
                   query_padding_mask=query_padding_mask)
     run: list[_Fused] = []
-    for block in blocks:
+    for i, block in enumerate(blocks):
         # a wrapped block (FSDP, activation checkpointing) is called as it is
-        parts = block._fused_parts(x, **kwargs) if isinstance(block, MosaicGPTBlock) else None
+        parts = (block._fused_parts(x, **kwargs, fused=fused[i] if fused is not None else ...)
+                 if isinstance(block, MosaicGPTBlock) else None)
         if run and (parts is None or parts.shape != run[0].shape):
             x, run = _decoder_blocks(run, x, rotary, cache_position, attn_mask), []
         if parts is None:

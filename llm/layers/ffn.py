@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.config import MosaicGPTConfig
+from llm.kernels import cpu_quant
 from llm.layers.linear import Linear
 
 ACTIVATIONS = {
@@ -31,7 +32,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class GLU(nn.Module):
+class GLU(cpu_quant.Watched, nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: gated linear units (Shazeer 2020), as Llama's MLP."""
 
     def __init__(self, config: MosaicGPTConfig):

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.config import MosaicGPTConfig
+from llm.kernels import cpu_quant
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(cpu_quant.Watched, nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 as transformers' ``LlamaRMSNorm``.
 
     (..., d) -> (..., d) in the input's dtype.

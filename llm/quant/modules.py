@@ -195,6 +195,7 @@ class Int8Linear(_Int8Codes):
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
         scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
         self.register_buffer("kernel_scales", scales, persistent=False)
+        cpu_quant.changed()
 
     def _torch_dtype(self) -> torch.dtype:
         # torch 2.7's CPU kernel with bfloat16 or float16 activations reads past the rows when
@@ -309,6 +310,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight", int4_pack(codes, device))
             self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
                                  .to(device=device, dtype=self._activation_dtype).contiguous())
+        cpu_quant.changed()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
@@ -391,6 +393,7 @@ class Int4Linear(nn.Module):
             self.kernel_mins = self.kernel_mins.to(torch.float16)
         else:
             self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
+        cpu_quant.changed()
         return self
 
     def extra_repr(self) -> str:

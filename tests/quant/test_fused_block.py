@@ -167,7 +167,8 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
     model = tiny_model("llama", d_model=64, quantization="int4", kernels="llm")
     block = model.blocks[0]
     cache, x, kwargs = step_inputs(model, 2, 1)
-    weights, out_features = block._fused_weights()
+    weights, _, shape = block._fused_weights()
+    out_features = list(shape[3])
     keys, values = cache.storage(0)
     mask = kwargs["attn_mask"][:, 0]
     rot = kwargs["rotary"]
@@ -231,3 +232,44 @@ def test_a_model_step_runs_its_fused_blocks_in_one_call(unfused, monkeypatch):
     assert calls == ([1] * 4 if unfused is None else [1, 1, 1])
     for mine, theirs in zip((*cache._keys, *cache._values), (*separate._keys, *separate._values)):
         assert torch.equal(mine, theirs)
+
+
+@torch.no_grad()
+def test_what_a_block_keeps_for_the_kernel_follows_every_change_of_its_modules():
+    model = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="llm")
+    ids = torch.randint(0, 61, (1, 9))
+    before = model(ids).logits
+    kept = model.blocks[0]._fused_weights()
+    assert model.blocks[0]._fused_weights() is kept  # kept while nothing changes
+    # a projection swapped for torch's kernel: the block leaves the fused kernel
+    other = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="torch")
+    model.blocks[0].ffn.down_proj = other.blocks[0].ffn.down_proj
+    assert model.blocks[0]._fused_weights() is None
+    # another model's projection on our kernels: taken, with its weights
+    ours = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="llm", seed=3)
+    model.blocks[0].ffn.down_proj = ours.blocks[0].ffn.down_proj
+    assert model.blocks[0]._fused_weights()[0][12] is ours.blocks[0].ffn.down_proj.weight
+    # a norm weight replaced, and kernel tensors remade by a load: the new ones are read
+    model.blocks[1].norm_2.weight = torch.nn.Parameter(torch.full((64,), 2.0), requires_grad=False)
+    model.blocks[1].attn.Wqkv.load_state_dict(ours.blocks[1].attn.Wqkv.state_dict())
+    fused = model(ids).logits
+    fresh = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="llm", seed=5)
+    fresh.load_state_dict(model.state_dict())  # the same weights, never kept by any block before
+    assert not torch.equal(fused, before) and torch.equal(fused, fresh(ids).logits)
+
+
+@torch.no_grad()
+def test_on_a_busy_machine_the_blocks_run_on_one_thread_for_a_stretch():
+    model = tiny_model("llama", d_model=64, n_layers=2, quantization="int4", kernels="llm")
+    ids = torch.randint(0, 61, (2, 9))
+    reference = model(ids).logits
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ops.llm.set_pace(3, 32)  # as if the last call found a thread starved
+    try:
+        for left in (2, 1, 0):
+            assert torch.equal(model(ids).logits, reference)  # only the speed depends on the threads
+            assert torch.ops.llm.pace_state()[0] == left
+    finally:
+        torch.ops.llm.set_pace(0, 32)
+        torch.set_num_threads(threads)
