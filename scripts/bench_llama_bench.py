@@ -104,6 +104,7 @@ def main(argv=None) -> int:
         conditions = ["quiet", "busy"] if args.busy else ["quiet"]
         for condition in conditions:
             hog = None
+            torch.ops.llm.set_pace(0, 16)  # each condition starts from the kernels' first guess: all threads
             if condition == "busy":  # one core's worth of someone else's work, pinned to core 0
                 hog = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
             try:

@@ -125,7 +125,7 @@ void prefetch_block(const QWeight& w, int64_t b) {
 // stretch that doubles while the machine stays busy (kSoloFirst .. kSoloMost calls) and is probed
 // again after it. Results do not depend on the threads (see cpu_quant_simd.h), only speed does.
 constexpr double kBusyShare = 0.6;
-constexpr int64_t kSoloFirst = 32, kSoloMost = 2048;
+constexpr int64_t kSoloFirst = 16, kSoloMost = 256;
 constexpr double kJudgedCallS = 1e-3;  // shorter calls are not judged (waking the team weighs on them)
 
 struct Pace {

@@ -265,11 +265,11 @@ def test_on_a_busy_machine_the_blocks_run_on_one_thread_for_a_stretch():
     reference = model(ids).logits
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    torch.ops.llm.set_pace(3, 32)  # as if the last call found a thread starved
+    torch.ops.llm.set_pace(3, 16)  # as if the last call found a thread starved
     try:
         for left in (2, 1, 0):
             assert torch.equal(model(ids).logits, reference)  # only the speed depends on the threads
             assert torch.ops.llm.pace_state()[0] == left
     finally:
-        torch.ops.llm.set_pace(0, 32)
+        torch.ops.llm.set_pace(0, 16)
         torch.set_num_threads(threads)
