@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F

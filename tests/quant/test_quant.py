@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from llm import MosaicGPT, MosaicGPTConfig
+from llm import MosaicGPT
 from llm.formats import PRETRAINED
 from llm.kernels import cpu_quant
 from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
