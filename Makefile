@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Our C++ kernels (llm/kernels/cpu_quant.cpp), built now rather than at their first use (about 30 s;
-# cached under ~/.cache/torch_extensions by the sources' hash, so this is instant when nothing changed).
+# cached under $$LLM_HOME/kernels, default ~/.cache/llm/kernels, by the sources' hash: instant when
+# nothing changed).
 # Where they cannot run it says why, and quantized layers take torch's kernels.
 kernels: $(STAMP)
 	$(PY) -c "from llm.kernels import cpu_quant; print('llm CPU kernels:', cpu_quant.isa() or cpu_quant.unavailable())"

@@ -61,6 +61,14 @@ class CausalLMOutput:
     past_key_values: Any = None
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "ones_", "zeros_", "constant_")
+
+
+def _no_init(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
 class MosaicGPT(nn.Module):
     """A MosaicGPT decoder-only transformer (after llm-foundry's MPT and nanoGPT's GPT).
 
@@ -94,6 +102,24 @@ class MosaicGPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith(("out_proj.weight", "down_proj.weight")):
                 nn.init.normal_(param, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
+
+    @classmethod
+    def empty(cls, config: MosaicGPTConfig) -> "MosaicGPT":
+        """The model on the meta device with nothing drawn, for ``load_state_dict(..., assign=True)``.
+
+        ``torch.nn.init``'s functions are no-ops while it is built (as transformers'
+        ``no_init_weights``): on the meta device they would import sympy and dynamo, seconds
+        of a model load.
+        """
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        try:
+            for name in saved:
+                setattr(nn.init, name, _no_init)
+            with torch.device("meta"):
+                return cls(config)
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -522,8 +548,7 @@ class MosaicGPT(nn.Module):
             raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=\"none\" "
                              f"(requantizing {saved.get('method')} weights as {quantization} is not supported)")
         weights_path = directory / WEIGHTS_FILE
-        with torch.device("meta"):
-            model = cls(config)
+        model = cls.empty(config)
         try:
             with safe_open(str(weights_path), framework="pt") as weights:
                 stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from llm.cli.common import ArgumentParser
+from llm.formats.gguf.writer import GGUF_TYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the training YAML of a checkpoint (its model and tokenizer)")
     p.add_argument("--to", required=True, choices=["transformers", "gguf"], help="the format to write")
     p.add_argument("--out", required=True, type=Path, help="the folder (transformers) or .gguf file to write")
-    p.add_argument("--gguf-type", choices=["f32", "f16", "q8_0", "q4_1"], default="f32",
-                   help="GGUF tensor type: f32, f16, q8_0 or q4_1 (norms stay f32; with q4_1 the embedding and "
+    p.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32",
+                   help="GGUF tensor type: f32, f16, q8_0, q4_0 or q4_1 (norms stay f32; with q4_0 / q4_1 the embedding and "
                         "output layer are q8_0, as in llama.cpp's Q4_1 files); default f32")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return p

@@ -304,7 +304,6 @@ def from_transformers(hf_model, attn_impl: str = "sdpa") -> MosaicGPT:
 
 
 def _build(config: MosaicGPTConfig, state: dict[str, torch.Tensor]) -> MosaicGPT:
-    with torch.device("meta"):
-        model = MosaicGPT(config)
+    model = MosaicGPT.empty(config)
     model.load_state_dict({k: v.detach().float().clone() for k, v in state.items()}, strict=True, assign=True)
     return model.eval()

@@ -18,7 +18,7 @@ or the call, so that ``torch.compile`` compiles each of the three steps once and
   and step).
 
 The compiled artifacts are cached on disk by inductor (FX graph and AOTAutograd caches) under
-``$TORCHINDUCTOR_CACHE_DIR``, by default ``$XDG_CACHE_HOME/llm/inductor`` (``~/.cache/llm/inductor``),
+``$TORCHINDUCTOR_CACHE_DIR``, by default ``$LLM_HOME/inductor`` (``~/.cache/llm/inductor``),
 so a later process loads them instead of compiling. When compiling fails (no working C++
 compiler), decoding warns once per process and runs the same static-cache path uncompiled.
 """
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 
 import torch
 
 from llm.cache import Cache, StaticCache
+from llm.utils.home import llm_home
 
 #: Tokens per prefill forward; a prompt takes ceil(length / PREFILL_CHUNK) forwards.
 PREFILL_CHUNK = 32
@@ -82,8 +82,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _cache_dir() -> None:
     """Point inductor's on-disk caches at a stable per-user folder unless the user chose one."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "llm" / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(llm_home() / "inductor"))
 
 
 def compiled_step(fn, compile: bool):

@@ -12,7 +12,7 @@ prompt length, the cache or the threads, to the bit.
 
 The source is compiled by :func:`build` (``make install`` runs it; otherwise the first use does,
 about 30 s) with :func:`torch.utils.cpp_extension.load`, cached on disk under
-``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), for both instruction sets; the
+``$LLM_HOME/kernels`` (default ``~/.cache/llm/kernels``, :func:`build_directory`), for both instruction sets; the
 CPU picks one when the operators run (:func:`isa`). It registers ``torch.ops.llm.int4_linear``,
 ``int8_linear``, ``rms_norm``, ``decode_attention`` and ``decoder_blocks`` (Llama blocks over a
 cache buffer in one call), with fake implementations, so ``torch.compile`` calls them as they are.
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from llm.utils.home import llm_home
+
 LANES = 16
 GROUP = 32
 _SOURCES = (Path(__file__).with_name("cpu_quant.cpp"), Path(__file__).with_name("cpu_quant_simd.h"))
@@ -57,15 +59,31 @@ def extension_name(sources: tuple[Path, ...] = _SOURCES) -> str:
     return f"llm_cpu_quant_{digest[:12]}"
 
 
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built: ``$LLM_HOME/kernels/<name>`` (see :mod:`llm.utils.home`)."""
+    return llm_home() / "kernels" / name
+
+
 def build(sources: tuple[Path, ...] = _SOURCES) -> str | None:
-    """Compile and load the extension (cached on disk by its sources' contents); returns why that
-    failed, as a sentence, after one warning, or None."""
+    """Load the extension, compiling it first if this machine has no build of these sources
+    (cached on disk by their contents); returns why that failed, as a sentence, after one
+    warning, or None. A finished build loads without importing ``torch.utils.cpp_extension``
+    (a second of imports)."""
+    name = extension_name(sources)
+    folder = build_directory(name)
+    library = folder / f"{name}.so"
+    if library.is_file() and not (folder / "lock").exists():
+        try:
+            torch.ops.load_library(str(library))
+            return None
+        except OSError:  # a library left half-written by a killed build: build it again
+            library.unlink(missing_ok=True)
     with contextlib.redirect_stderr(io.StringIO()):  # its import prints a CUDA_HOME notice
         from torch.utils import cpp_extension
 
-    name = extension_name(sources)
     try:
-        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             log.warning("removing %s, left by a build that was killed %.0f s ago", lock, time.time() - lock.stat().st_mtime)
             lock.unlink(missing_ok=True)
@@ -73,7 +91,8 @@ def build(sources: tuple[Path, ...] = _SOURCES) -> str | None:
             warnings.simplefilter("ignore")
             # -fopenmp: without it at::parallel_for's pragma is ignored and the kernels run on one thread
             cpp_extension.load(name=name, sources=[str(sources[0])], extra_cflags=["-O3", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                               verbose=False)
     except (RuntimeError, OSError, ImportError) as err:
         # ninja's last lines only say that it stopped: keep the compiler's own last line
         detail = [line for line in str(err).strip().splitlines()

@@ -18,7 +18,8 @@ class RMSNorm(cpu_quant.Watched, nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(d_model))
+        # not torch.ones: on the meta device (a model about to be loaded) that imports sympy
+        self.weight = nn.Parameter(nn.init.ones_(torch.empty(d_model)))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ from llm.data.tokenizers import train_tokenizer
 from llm.cli.export import main as export_main
 from llm.formats.gguf import save_gguf
 from llm.formats.transformers import save_transformers
+from llm.kernels import cpu_quant
+from llm.quant.quantize import projections
 from tests.conftest import tiny_model
 
 SMOLLM2 = REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]
@@ -131,7 +133,7 @@ def test_an_f32_gguf_reads_back_in_ours_and_in_transformers_with_our_logits(tmp_
     assert GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.pre"].contents() == "gpt-2"  # llama.cpp's name
 
 
-@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_1", "f16"])
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0", "q4_1", "f16"])
 def test_a_quantized_gguf_holds_our_quantize_dequantize_weights_exactly(tmp_path, bpe, gguf_type):
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize, quantize
@@ -146,9 +148,20 @@ def test_a_quantized_gguf_holds_our_quantize_dequantize_weights_exactly(tmp_path
         elif gguf_type == "f16":
             expected = w.astype(np.float16).astype(np.float32)
         else:
-            qtype = T.Q8_0 if gguf_type == "q8_0" or name in ("wte.weight", "lm_head.weight") else T.Q4_1
+            qtype = T.Q8_0 if gguf_type == "q8_0" or name in ("wte.weight", "lm_head.weight") else T[gguf_type.upper()]
             expected = dequantize(quantize(w, qtype), qtype)
         assert np.array_equal(back[name].numpy(), expected), name
+    if gguf_type in ("q4_0", "q4_1"):  # and its projections load onto int4 with the file's own codes, exactly
+        if not cpu_quant.available():
+            pytest.skip(f"our kernels (fp16 scales, exact for GGUF's) cannot run here: {cpu_quant.unavailable()}")
+        native = MosaicGPT.from_pretrained(tmp_path / "m.gguf", backend="llm")
+        assert native.quantization.kept == {} and native.quantization.method == "int4"
+        for name in projections(native):
+            layer = native.get_submodule(name)
+            scales, zeros = layer.groups()
+            dequantized = (layer.codes().float() - 8).view(layer.out_features, -1, 32) * scales[..., None] \
+                + zeros[..., None]
+            assert torch.equal(dequantized.view(layer.out_features, -1), back[name + ".weight"]), name
 
 
 def test_gguf_refuses_what_llama_cpp_cannot_read(tmp_path, chars, bpe):

@@ -362,3 +362,31 @@ def test_unsupported_tensor_type_is_named(tmp_path):
                       extra={"blk.1.ffn_up.weight": np.zeros((96, 64), dtype=np.int32)})
     with pytest.raises(ValueError, match=r"tensor 'blk.1.ffn_up.weight' has quantization type I32"):
         load_gguf(path)
+
+
+def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
+    # arrays of strings (empty, unicode) and of scalar types: our reader walks
+    # them without the stock reader's per-element recursion, and must build the same fields
+    import gguf
+
+    extra = {"tok.strings": ["a", "", "naïve ✓", "x" * 300], "tok.ints": [3, -1, 7], "tok.floats": [0.5, -2.0],
+             "tok.bools": [True, False], "tok.one": "one string"}
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in extra.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, stock = _reader_class()(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        mine = ours.fields[key]
+        assert (mine.data, mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
+        assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
+    assert ours.fields["tok.strings"].contents() == extra["tok.strings"]

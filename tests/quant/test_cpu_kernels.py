@@ -219,19 +219,29 @@ def test_a_source_that_does_not_build_warns_once_and_says_why(tmp_path):
 
 def test_no_compiler_and_a_killed_builds_lock(tmp_path):
     script = "from llm.kernels import cpu_quant; print(cpu_quant.unavailable())"
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "a"), CXX="/nonexistent/g++")
+    env = dict(os.environ, LLM_HOME=str(tmp_path / "a"), CXX="/nonexistent/g++")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
     assert "/nonexistent/g++: not found" in out.stdout and out.stderr.count("llm's CPU kernels are not used") == 1
     # a build killed with SIGKILL leaves torch's lock behind, which it would wait on forever
-    name = next(p.name for p in (tmp_path / "a").iterdir())
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "a"))
-    lock = tmp_path / "a" / name / "lock"
+    name = next(p.name for p in (tmp_path / "a" / "kernels").iterdir())
+    env = dict(os.environ, LLM_HOME=str(tmp_path / "a"))
+    lock = tmp_path / "a" / "kernels" / name / "lock"
     lock.write_text("")
     old = lock.stat().st_mtime - cpu_quant.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT,
                          timeout=300)
     assert out.stdout.strip() == "None" and "left by a build that was killed" in out.stderr
+
+
+def test_a_finished_build_loads_without_the_build_tools():
+    # the build of these sources (made by `make install`) loads in a fresh process without
+    # importing torch.utils.cpp_extension, which costs a second
+    script = ("import sys; from llm.kernels import cpu_quant; print(cpu_quant.isa()); "
+              "print('torch.utils.cpp_extension' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.split() == [cpu_quant.isa(), "False"], out.stderr
+    assert (cpu_quant.build_directory(cpu_quant.extension_name()) / f"{cpu_quant.extension_name()}.so").is_file()
 
 
 def test_the_backend_selects_the_kernels_and_auto_takes_ours_here():
@@ -295,7 +305,7 @@ def test_a_direct_first_call_builds_the_kernels_or_says_why(tmp_path):
               "except RuntimeError as err: print(err)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.stdout.strip() == "(1, 1, 1, 16)", out.stderr
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX="/nonexistent/g++")
+    env = dict(os.environ, LLM_HOME=str(tmp_path), CXX="/nonexistent/g++")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert "llm's CPU kernels cannot run here: building cpu_quant.cpp failed" in out.stdout, out.stdout + out.stderr
 

@@ -15,6 +15,7 @@ rope kernel expects). MosaicGPT, like transformers' Llama, rotates the two HALVE
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,33 @@ def _reader_class():
                 itemsize = self._itemsizes[dtype] = int(np.empty([], dtype=dtype).itemsize)
             arr = self._plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            """The stock reader's parts (one per array element), without its recursion per element:
+            an array of scalars is read as one array and cut into views, an array of strings
+            walked here."""
+            if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            offs, count = orig_offs + 12, int(alen[0])
+            itype = gguf.GGUFValueType(raw_itype[0])
+            scalar = self.gguf_scalar_to_np.get(itype)
+            if scalar is not None:  # one view of the whole array, cut into the stock reader's parts
+                values = self._get(offs, scalar, count)
+                return (12 + int(values.nbytes), [raw_itype, alen, *values.reshape(-1, 1)], list(range(2, 2 + count)),
+                        [gguf.GGUFValueType.ARRAY, itype])
+            if itype != gguf.GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            order = sys.byteorder if self.byte_order == "I" else {"little": "big", "big": "little"}[sys.byteorder]
+            length_type = alen.dtype  # uint64 in the file's byte order
+            raw, parts = self._plain, [raw_itype, alen]
+            for _ in range(count):
+                size = raw[offs:offs + 8]
+                length = int.from_bytes(size.tobytes(), order)
+                parts += (size.view(length_type), raw[offs + 8:offs + 8 + length])
+                offs += 8 + length
+            return offs - orig_offs, parts, list(range(3, 3 + 2 * count, 2)), [gguf.GGUFValueType.ARRAY, itype]
 
     return _Reader
 
@@ -297,8 +325,7 @@ def _sources(reader, config: MosaicGPTConfig) -> dict[str, list[tuple[Any, int |
             if shape(t) != want:
                 raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {shape(t)}, expected {want}")
         sources[f"blocks.{i}.attn.Wqkv.weight"] = parts
-    with torch.device("meta"):
-        expected = MosaicGPT(config).state_dict()
+    expected = MosaicGPT.empty(config).state_dict()
     wrong = [f"{k}: file has {shape(parts[0][0])}, config needs {tuple(expected[k].shape)}"
              for k, parts in sources.items() if len(parts) == 1 and shape(parts[0][0]) != tuple(expected[k].shape)]
     if wrong:
@@ -429,8 +456,7 @@ def load_gguf(
     reader = read_gguf(path)
     config = gguf_config(reader, attn_impl=attn_impl)
     sources = _sources(reader, config)
-    with torch.device("meta"):
-        model = MosaicGPT(config)
+    model = MosaicGPT.empty(config)
     if quantization is None:
         quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16")
                         for name in projections(model) for t, _ in sources[name + ".weight"])

@@ -25,7 +25,7 @@ import torch
 from llm.formats.files import check_replaceable, fresh_sibling, make_parent
 from llm.formats.transformers import architecture
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_1")
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 
 # llama.cpp's token types
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
@@ -90,10 +90,10 @@ def gguf_tensors(model, gguf_type: str = "f32") -> list[tuple[str, np.ndarray, o
         data = tensor.contiguous().numpy().astype(np.float32)
         qtype = T.F32
         if data.ndim == 2 and gguf_type != "f32":
-            qtype = {"f16": T.F16, "q8_0": T.Q8_0, "q4_1": T.Q4_1}[gguf_type]
-            if gguf_type == "q4_1" and name in ("token_embd.weight", "output.weight"):
+            qtype = {"f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1}[gguf_type]
+            if gguf_type in ("q4_0", "q4_1") and name in ("token_embd.weight", "output.weight"):
                 qtype = T.Q8_0
-            if qtype in (T.Q8_0, T.Q4_1) and data.shape[1] % 32:
+            if qtype in (T.Q8_0, T.Q4_0, T.Q4_1) and data.shape[1] % 32:
                 qtype = T.F16
         if qtype == T.F16:
             data = data.astype(np.float16)
@@ -200,7 +200,8 @@ def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32",
         writer.add_rope_dimension_count(c.head_dim)
         writer.add_vocab_size(c.vocab_size)
         file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[gguf_type]
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                     "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[gguf_type]
         writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_tokenizer(writer, tokenizer, c.vocab_size)
