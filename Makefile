@@ -78,6 +78,7 @@ train: install
 	$(PY) scripts/train.py configs/shakespeare.yaml
 
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n auto --dist loadfile
 
 # llama.cpp as a benchmark peer (scripts/bench_generate.py --fast, scripts/bench_serve.py), in a venv of its own: never .venv, never CI.

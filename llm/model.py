@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -18,6 +18,7 @@ from torch import nn
 from llm.cache import Cache, DynamicCache
 from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.generation import GENERATION_CONFIG_FILE, GenerationConfig, generate, stream
+from llm.generation.config import load_generation_config
 from llm.generation.decoding import check_token_ids
 from llm.io import atomic_write, shape_mismatches
 from llm.kernels import cpu_quant
@@ -25,11 +26,16 @@ from llm.layers.blocks import MosaicGPTBlock, forward_blocks
 from llm.layers.linear import Linear, linear
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
+from llm.quant import METHODS, QUANTIZATION_FILE, quantize, quantize_like
+from llm.quant.quantize import EMBEDDING, HEAD, check_backend, projections
+from llm.utils.pretrained import PRETRAINED, resolve
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
-#: The file next to a quantized bundle's weights that says how they are quantized (llm.quant).
-QUANTIZATION_FILE = "quantization.json"
+#: Loaders of the files that are not bundles, by the kind :func:`llm.utils.pretrained.resolve` gives
+#: (``"gguf"``): :mod:`llm.formats` builds these models, so it registers its loaders here rather
+#: than this module importing it (``import llm`` does that).
+LOADERS: dict[str, Callable[..., "MosaicGPT"]] = {}
 #: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
 WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
 
@@ -487,7 +493,7 @@ class MosaicGPT(nn.Module):
     ) -> "MosaicGPT":
         """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
         a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
-        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.formats.registry`).
+        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.utils.pretrained`).
         ``generation_config`` is the directory's ``generation_config.json`` if it has one, the
         registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
 
@@ -514,20 +520,13 @@ class MosaicGPT(nn.Module):
                 file, also an unsupported architecture or quantization type (see
                 :func:`llm.formats.load_gguf`).
         """
-        # lazy: llm.formats imports this module
-        from llm.formats.registry import PRETRAINED, load_generation_config, resolve
-        from llm.quant import METHODS, quantize, quantize_like
-        from llm.quant.quantize import check_backend
-
         if quantization is not None and quantization not in ("none", *METHODS, "gguf"):
             raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
         check_backend(backend, device or "cpu")
         kind, directory = resolve(name_or_path)
-        if kind == "gguf":
-            from llm.formats.gguf import load_gguf
-
-            model = load_gguf(directory, dtype=dtype, device=device, quantization=quantization, group_size=group_size,
-                              backend=backend)
+        if kind in LOADERS:
+            model = LOADERS[kind](directory, dtype=dtype, device=device, quantization=quantization,
+                                  group_size=group_size, backend=backend)
             model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
             return model
         if not directory.exists():
@@ -561,7 +560,7 @@ class MosaicGPT(nn.Module):
                     model.load_state_dict(state, assign=True)
                 else:
                     model = _load_quantized(model, weights, names, saved, quantization, group_size, weights_path,
-                                            quantize, quantize_like, backend)
+                                            backend)
         except ValueError:
             raise
         except Exception as err:
@@ -590,11 +589,9 @@ def _read_quantization(directory: Path) -> dict | None:
     return spec
 
 
-def _load_quantized(model, weights, names, saved, method, group_size, path, quantize, quantize_like, backend):
+def _load_quantized(model, weights, names, saved, method, group_size, path, backend):
     """Fill the meta ``model`` from an open safetensors file: a saved quantized model
     (``saved``, its quantization.json) or float weights quantized one tensor at a time."""
-    from llm.quant.quantize import EMBEDDING, HEAD, projections
-
     if saved is not None:
         owned = {f"{m}.{t}" for m in saved.get("quantized", []) for t in ("weight", "scales", "scales_and_zeros", "bias")}
         if EMBEDDING in saved.get("quantized", []):

@@ -4,7 +4,7 @@ tokenizer can be recognised as mixable), and encode batches of documents on para
 
 A spec is a ``tokenizer.json`` file, a transformers tokenizer folder, a model bundle written by
 ``MosaicGPT.save_pretrained(dir, tokenizer=...)``, a prepared dataset folder (its tokenizer), a
-registered pretrained name or a ``.gguf`` file (see :func:`llm.formats.registry.load_tokenizer`),
+registered pretrained name or a ``.gguf`` file (:func:`llm.data.gguf_tokenizer.gguf_tokenizer`),
 or ``bpe:VOCAB_SIZE`` / ``char`` to train one (as :mod:`llm.data.tokenizer` does).
 """
 
@@ -24,11 +24,11 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from llm.formats.registry import PRETRAINED
-from llm.formats.registry import load_tokenizer as load_registered_tokenizer
+from llm.data.gguf_tokenizer import gguf_tokenizer
 from llm.data.sources import DataError
 from llm.data.tokenizer import _MIN_BPE_VOCAB, EOS_TOKEN, _wrap, build_char_tokenizer
 from llm.io import atomic_write
+from llm.utils.pretrained import PRETRAINED, resolve
 
 INFO_FILE = "llm_tokenizer.json"
 SPEC_FORMS = ("a tokenizer.json file, a transformers tokenizer folder, a model bundle folder, a prepared "
@@ -77,7 +77,7 @@ def load_tokenizer_spec(spec: str) -> PreTrainedTokenizerFast:
         elif path.is_dir():
             tokenizer = _from_folder(path / "tokenizer" if (path / "llm_data.json").is_file() else path)
         else:  # a .gguf file or a registered name
-            tokenizer = load_registered_tokenizer(spec)
+            tokenizer = gguf_tokenizer(resolve(spec)[1])
     except DataError:
         raise
     except Exception as e:  # transformers, tokenizers and gguf raise many kinds: all mean a bad spec

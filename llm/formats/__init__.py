@@ -6,6 +6,9 @@ from llm.formats.gguf import gguf_config, gguf_tokenizer, load_gguf, read_gguf, 
 from llm.formats.registry import PRETRAINED, load_tokenizer
 from llm.formats.transformers import (from_hf_gpt2, from_hf_mpt, from_transformers, gpt2_config, mpt_config,
                                       save_transformers)
+from llm.model import LOADERS
+
+LOADERS["gguf"] = load_gguf
 
 __all__ = ["PRETRAINED", "from_hf_gpt2", "from_hf_mpt", "from_transformers", "gguf_config", "gguf_tokenizer",
            "gpt2_config", "load_gguf", "load_tokenizer", "mpt_config", "read_gguf", "save_gguf", "save_transformers"]

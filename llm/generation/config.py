@@ -280,3 +280,29 @@ def _transformers_defaults() -> dict[str, Any]:
     from transformers import GenerationConfig as TransformersConfig  # lazy: only for foreign keys
 
     return TransformersConfig().to_dict()
+
+
+#: Registered name (:data:`llm.utils.pretrained.PRETRAINED`) -> the generation settings its
+#: authors recommend, the model's ``generation_config`` when loaded by that name (what
+#: transformers keeps in a model's generation_config.json). SmolLM2: "temperature=0.2, top_p=0.9"
+#: with sampling (the SmolLM2-135M-Instruct model card). At the CLI's general default (temperature
+#: 0.8, no truncation) 4 of 12 seeds missed "Berlin" for "What is the capital of Germany?"; with
+#: these, none did.
+GENERATION_DEFAULTS = {
+    "smollm2-135m-instruct": GenerationConfig(do_sample=True, temperature=0.2, top_p=0.9),
+}
+
+
+def load_generation_config(name_or_path: str | os.PathLike) -> GenerationConfig | None:
+    """The generation defaults that come with a model: a bundle directory's
+    ``generation_config.json``, else a registered name's :data:`GENERATION_DEFAULTS`; None for neither.
+
+    Raises:
+        ValueError: for a ``generation_config.json`` that is not a valid config (naming it).
+    """
+    path = Path(name_or_path)
+    if (path / GENERATION_CONFIG_FILE).is_file():
+        return GenerationConfig.from_json_file(path / GENERATION_CONFIG_FILE)
+    if not path.exists() and isinstance(name_or_path, str):
+        return GENERATION_DEFAULTS.get(name_or_path)
+    return None

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from llm.kernels.quant import INT4_GROUP_SIZES, int4_supported
-from llm.model import QUANTIZATION_FILE
 from llm.kernels import cpu_quant
 from llm.quant.modules import BACKENDS, Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, int8_rows
 
 METHODS = ("int8", "int4")
+#: The file next to a quantized bundle's weights that says how they are quantized.
+QUANTIZATION_FILE = "quantization.json"
 HEAD = "lm_head"
 EMBEDDING = "wte"
 

@@ -1,7 +1,10 @@
-"""Small helpers with no heavy dependencies (standard library only).
+"""Small helpers below every other layer, without torch.
 
 * :mod:`llm.utils.config`: typed configuration schemas (dataclasses) validated up front, with
   errors that name the full dotted path of the offending key.
+* :mod:`llm.utils.pretrained`: registered model names and where a name or path loads from.
+* :mod:`llm.utils.gguf`: GGUF files' metadata and tensor index (numpy and ``gguf``).
+* :mod:`llm.utils.home`: ``$LLM_HOME``, where built kernels and caches go.
 """
 
 from llm.utils.config import (

@@ -13,7 +13,7 @@ import torch
 from llm import DynamicCache, MosaicGPT
 from llm.formats import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
 from llm.formats.gguf import reader as gguf_module
-from llm.formats.gguf.reader import _reader_class
+from llm.utils.gguf import _reader_class
 from llm.formats.registry import REPO_ROOT
 
 torch.set_num_threads(1)

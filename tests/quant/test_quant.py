@@ -15,7 +15,8 @@ from gguf.quants import dequantize
 from llm import MosaicGPT
 from llm.formats import PRETRAINED
 from llm.kernels import cpu_quant
-from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, read_gguf
+from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf
+from llm.utils.gguf import read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import int4_groups
 from llm.quant.quantize import default_activation_dtype

@@ -1,4 +1,5 @@
-"""Load Llama-architecture GGUF files (llama.cpp's format) into MosaicGPT, with their tokenizer.
+"""Load Llama-architecture GGUF files (llama.cpp's format) into MosaicGPT (their tokenizers:
+:mod:`llm.data.gguf_tokenizer`; their metadata: :mod:`llm.utils.gguf`).
 
 GGUF stores each tensor's dimensions innermost first; the ``gguf`` package's reader already gives
 them outermost first (``(out_features, in_features)`` for a linear weight), which is torch's order.
@@ -15,8 +16,6 @@ rope kernel expects). MosaicGPT, like transformers' Llama, rotates the two HALVE
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,122 +23,13 @@ import torch
 
 from llm.config import MosaicGPTConfig
 from llm.model import MosaicGPT
+from llm.quant import Int4Linear, Int8Linear, quantize
+from llm.quant.modules import QuantizationReport, int8_rows
+from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
+from llm.utils.gguf import _MISSING, read_gguf
+from llm.utils.gguf import field as _field
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-
-# Names of tokenizer.ggml.pre (llama.cpp's pre-tokenizer types) that we reproduce with the
-# `tokenizers` library, grouped by llama.cpp's regexes (llama-vocab.cpp).
-_GPT2_REGEX_PRE = ("gpt-2", "gpt2", "mpt", "olmo", "jais", "trillion")
-# Each digit on its own, then GPT-2's regex.
-_DIGITS_GPT2_REGEX_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SUPPORTED_PRE_TOKENIZERS = _GPT2_REGEX_PRE + _DIGITS_GPT2_REGEX_PRE + _LLAMA3_PRE
-
-# llama.cpp's token types (tokenizer.ggml.token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-_MISSING = object()
-
-
-def _reader_class():
-    import gguf
-
-    class _Reader(gguf.GGUFReader):
-        """``gguf.GGUFReader`` without numpy.memmap's per-slice overhead.
-
-        The stock reader slices a ``numpy.memmap`` for every value of every metadata array; with
-        ~100k vocabulary strings and merges that takes seconds (memmap's ``__array_finalize__``).
-        Slicing a plain ndarray view of the same mapping gives the same arrays (still lazily paged
-        from the file), several times faster.
-        """
-
-        _itemsizes: dict = {}
-
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, value):
-            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-        def _get(self, offset, dtype, count=1, override_order=None):
-            count = int(count)
-            itemsize = self._itemsizes.get(dtype)
-            if itemsize is None:
-                itemsize = self._itemsizes[dtype] = int(np.empty([], dtype=dtype).itemsize)
-            arr = self._plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
-            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
-
-        def _get_field_parts(self, orig_offs, raw_type):
-            """The stock reader's parts (one per array element), without its recursion per element:
-            an array of scalars is read as one array and cut into views, an array of strings
-            walked here."""
-            if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
-                return super()._get_field_parts(orig_offs, raw_type)
-            raw_itype = self._get(orig_offs, np.uint32)
-            alen = self._get(orig_offs + 4, np.uint64)
-            offs, count = orig_offs + 12, int(alen[0])
-            itype = gguf.GGUFValueType(raw_itype[0])
-            scalar = self.gguf_scalar_to_np.get(itype)
-            if scalar is not None:  # one view of the whole array, cut into the stock reader's parts
-                values = self._get(offs, scalar, count)
-                return (12 + int(values.nbytes), [raw_itype, alen, *values.reshape(-1, 1)], list(range(2, 2 + count)),
-                        [gguf.GGUFValueType.ARRAY, itype])
-            if itype != gguf.GGUFValueType.STRING:
-                return super()._get_field_parts(orig_offs, raw_type)
-            order = sys.byteorder if self.byte_order == "I" else {"little": "big", "big": "little"}[sys.byteorder]
-            length_type = alen.dtype  # uint64 in the file's byte order
-            raw, parts = self._plain, [raw_itype, alen]
-            for _ in range(count):
-                size = raw[offs:offs + 8]
-                length = int.from_bytes(size.tobytes(), order)
-                parts += (size.view(length_type), raw[offs + 8:offs + 8 + length])
-                offs += 8 + length
-            return offs - orig_offs, parts, list(range(3, 3 + 2 * count, 2)), [gguf.GGUFValueType.ARRAY, itype]
-
-    return _Reader
-
-
-def read_gguf(path: str | os.PathLike):
-    """Open a GGUF file: a ``gguf.GGUFReader`` (metadata parsed, tensors memory-mapped).
-
-    Raises:
-        FileNotFoundError: if there is no such file.
-        ValueError: if it is not a readable GGUF file (bad magic, unknown version, truncated or
-            corrupt), naming the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    size = path.stat().st_size
-    try:
-        reader = _reader_class()(path)
-    except Exception as err:  # the reader raises ValueError, IndexError, KeyError... on a bad file
-        raise ValueError(f"cannot read GGUF file {path} (truncated or corrupt?): {type(err).__name__}: {err}") from err
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
-            raise ValueError(
-                f"GGUF file {path} is truncated or corrupt: tensor {tensor.name!r} needs bytes up to {end}, "
-                f"the file has {size}"
-            )
-    reader.path = path
-    return reader
-
-
-def _field(reader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise ValueError(f"GGUF file {reader.path} lacks the metadata key {key!r}")
-        return default
-    try:
-        return field.contents()
-    except Exception as err:
-        raise ValueError(f"GGUF file {reader.path}: cannot read metadata {key!r}: {err}") from err
 
 
 def _architecture(reader) -> str:
@@ -344,8 +234,6 @@ def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
     """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
     from its GGUF tensor, dequantized a block of rows at a time: a float32 copy of a whole
     vocabulary-sized table would be most of a 4-bit model's peak memory."""
-    from llm.quant.modules import int8_rows
-
     (tensor, _), = parts  # one source, never permuted (only query and key rows are)
     rows = int(tensor.shape[-1])
     codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
@@ -446,10 +334,6 @@ def load_gguf(
             tensor and type), Llama options MosaicGPT does not implement, an unknown quantization
             or backend.
     """
-    from llm.quant import Int4Linear, Int8Linear, quantize
-    from llm.quant.modules import QuantizationReport
-    from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
-
     if quantization not in (None, "none", "int8", "int4", "gguf"):
         raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf', got {quantization!r}")
     check_backend(backend, device or "cpu")
@@ -498,134 +382,3 @@ def load_gguf(
     report.quantized.append(head)
     model.quantization = report
     return model.eval()
-# -- tokenizer ---------------------------------------------------------------------------------
-def gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer stored in a GGUF file, as a transformers ``PreTrainedTokenizerFast``.
-
-    It pads on the left and carries the vocabulary, merges, special tokens (bos / eos / unk / pad
-    from ``tokenizer.ggml.*_token_id``), whether to prepend BOS / append EOS
-    (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``) and the chat template
-    (``tokenizer.chat_template``). Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``:
-    SmolLM, Llama 3, ...) are rebuilt here with llama.cpp's pre-tokenizer regexes; SentencePiece
-    ones (``"llama"``: Llama 2, Mistral, ...) go through transformers' GGUF converter.
-
-    Raises:
-        FileNotFoundError / ValueError: as :func:`read_gguf`; ValueError for a file without a
-            tokenizer or with a tokenizer model / pre-tokenizer that is not supported.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    reader = read_gguf(path)
-    kind = _field(reader, "tokenizer.ggml.model", None)
-    if kind is None or "tokenizer.ggml.tokens" not in reader.fields:
-        raise ValueError(f"GGUF file {reader.path} holds no tokenizer (no tokenizer.ggml.model / tokens)")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type", None)
-
-    def token(key):
-        index = _field(reader, f"tokenizer.ggml.{key}_token_id", None)
-        if index is None:
-            return None
-        if not 0 <= int(index) < len(tokens):
-            raise ValueError(f"GGUF file {reader.path}: {key}_token_id {index} is outside the vocabulary")
-        return tokens[int(index)]
-
-    specials = {f"{key}_token": token(tid) for key, tid in
-                (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
-    specials = {k: v for k, v in specials.items() if v is not None}
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
-
-    if kind == "gpt2":
-        backend = _byte_level_bpe(reader, tokens, types)
-    elif kind == "llama":
-        backend = _sentencepiece_bpe(reader, tokens, types)
-    else:
-        raise ValueError(f"GGUF file {reader.path}: tokenizer model {kind!r} is not supported; supported: "
-                         f"['gpt2', 'llama']")
-    _set_post_processor(backend, specials.get("bos_token") if add_bos else None,
-                        specials.get("eos_token") if add_eos else None)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        model_input_names=["input_ids", "attention_mask"],
-        padding_side="left",  # where a batch of prompts for generation needs it
-        clean_up_tokenization_spaces=False,
-        **specials,
-    )
-    template = _field(reader, "tokenizer.chat_template", None)
-    if template is not None:
-        tokenizer.chat_template = template
-    return tokenizer
-
-
-def _added_tokens(tokens, types):
-    from tokenizers import AddedToken
-
-    if types is None:
-        return [], []
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
-    return special, user
-
-
-def _byte_level_bpe(reader, tokens, types):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
-    # ByteLevel's own regex is GPT-2's; llama.cpp's "digits" group splits digits off first.
-    add_prefix_space = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
-    if pre in _GPT2_REGEX_PRE:
-        steps = [pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)]
-    elif pre in _DIGITS_GPT2_REGEX_PRE:
-        steps = [pre_tokenizers.Digits(individual_digits=True),
-                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)]
-    elif pre in _LLAMA3_PRE:
-        steps = [pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
-                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)]
-    else:
-        raise ValueError(f"GGUF file {reader.path}: pre-tokenizer {pre!r} is not supported; supported: "
-                         f"{sorted(SUPPORTED_PRE_TOKENIZERS)}")
-    merges = []
-    for merge in _field(reader, "tokenizer.ggml.merges", []):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise ValueError(f"GGUF file {reader.path}: malformed merge {merge!r}")
-        merges.append(tuple(pair))
-    vocab = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-    backend.decoder = decoders.ByteLevel()
-    special, user = _added_tokens(tokens, types)
-    backend.add_special_tokens(special)
-    backend.add_tokens(user)
-    return backend
-
-
-def _sentencepiece_bpe(reader, tokens, types):
-    from transformers.integrations.ggml import convert_gguf_tokenizer
-
-    info = {"tokenizer_type": "llama", "tokens": tokens}
-    for key, ours in (("scores", "scores"), ("token_type", "token_type"), ("merges", "merges"),
-                      ("unknown_token_id", "unk_token_id"), ("bos_token_id", "bos_token_id"),
-                      ("eos_token_id", "eos_token_id"), ("add_space_prefix", "add_prefix_space")):
-        value = _field(reader, f"tokenizer.ggml.{key}", None)
-        if value is not None:
-            info[ours] = value
-    backend, _ = convert_gguf_tokenizer("llama", info)
-    return backend
-
-
-def _set_post_processor(backend, bos: str | None, eos: str | None) -> None:
-    """Prepend BOS / append EOS exactly as the file asks (transformers' GGUF converter does not)."""
-    from tokenizers import processors
-
-    if bos is None and eos is None:
-        if backend.post_processor is not None:
-            backend.post_processor = processors.Sequence([])
-        return
-    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
-    pair = single + " " + " ".join([*([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
-    specials = [(t, backend.token_to_id(t)) for t in dict.fromkeys(x for x in (bos, eos) if x)]
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
