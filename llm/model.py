@@ -7,51 +7,21 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
+from llm.bundle import from_pretrained, save_pretrained, weights_digest
 from llm.cache import Cache, DynamicCache
 from llm.config import FLOAT_KEYS, MosaicGPTConfig
-from llm.generation import GENERATION_CONFIG_FILE, GenerationConfig, generate, stream
-from llm.generation.config import load_generation_config
+from llm.generation import GenerationConfig, generate, stream
 from llm.generation.decoding import check_token_ids
-from llm.io import atomic_write, shape_mismatches
 from llm.kernels import cpu_quant
 from llm.layers.blocks import MosaicGPTBlock, forward_blocks
 from llm.layers.linear import Linear, linear
 from llm.layers.norm import build_norm
 from llm.layers.positions import RotaryEmbedding, alibi_bias, alibi_slopes, position_ids_from_mask
-from llm.quant import METHODS, QUANTIZATION_FILE, quantize, quantize_like
-from llm.quant.quantize import EMBEDDING, HEAD, check_backend, projections
-from llm.utils.pretrained import PRETRAINED, resolve
-
-CONFIG_FILE = "config.yaml"
-WEIGHTS_FILE = "model.safetensors"
-#: Loaders of the files that are not bundles, by the kind :func:`llm.utils.pretrained.resolve` gives
-#: (``"gguf"``): :mod:`llm.formats` builds these models, so it registers its loaders here rather
-#: than this module importing it (``import llm`` does that).
-LOADERS: dict[str, Callable[..., "MosaicGPT"]] = {}
-#: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
-WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
-
-
-def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 (hex) of a state dict: every tensor's name, dtype, shape and bytes, in key order.
-
-    Costs a pass over the weights, on the CPU: about a second for SmolLM2-135M's 540 MB of float32 here.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach()
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
 
 @dataclass
 class CausalLMOutput:
@@ -255,94 +225,99 @@ class MosaicGPT(nn.Module):
                 batch size, heads, head size, dtype, static room); with learned positions,
                 cached + new positions beyond max_seq_len.
         """
+        x = self._embed(input_ids, inputs_embeds)
+        batch, seq = x.shape[:2]
+        legacy = isinstance(past_key_values, (tuple, list))
+        cache = self._open_cache(Cache.from_legacy(past_key_values) if legacy else past_key_values, use_cache, x)
+        past = cache.get_seq_length() if cache is not None else 0
+        attention_mask = self._padding_mask(attention_mask, batch, past, seq, x.device)
+        x, rotary = self._positions(x, position_ids, attention_mask, past)
+        x = self.emb_drop(x)
+        attn_bias = self._alibi(attention_mask, past + seq, x) if self.config.alibi else None
+        plans = self._fused_weights(x) if attn_bias is None else None
+        if plans is not None:
+            x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary,
+                                         plans)
+        else:
+            query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
+            for block in self.blocks:
+                x = block(x, past_key_values=cache, attn_bias=attn_bias, key_padding_mask=attention_mask,
+                          query_padding_mask=query_padding_mask, rotary=rotary)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self._logits(x, plans is not None)
+        return CausalLMOutput(logits=logits, past_key_values=cache.to_legacy() if legacy else cache)
+
+    def _embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """(batch, seq, d_model) in the model's dtype from exactly one of the two (see :meth:`forward`)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
             check_token_ids(input_ids, self.config.vocab_size)
-            x = self.wte(input_ids)
-        else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.d_model:
-                raise ValueError(
-                    f"inputs_embeds must be (batch, seq, d_model={self.config.d_model}), "
-                    f"got shape {tuple(inputs_embeds.shape)}"
-                )
-            x = inputs_embeds.to(self.dtype)
-        batch, seq = x.shape[:2]
+            return self.wte(input_ids)
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.d_model:
+            raise ValueError(
+                f"inputs_embeds must be (batch, seq, d_model={self.config.d_model}), "
+                f"got shape {tuple(inputs_embeds.shape)}"
+            )
+        return inputs_embeds.to(self.dtype)
 
-        legacy = isinstance(past_key_values, (tuple, list))
-        cache = Cache.from_legacy(past_key_values) if legacy else past_key_values
+    def _open_cache(self, cache, use_cache: bool, x: torch.Tensor) -> Cache | None:
+        """The cache of a forward of ``x`` (a new DynamicCache for ``use_cache``), checked to fit it."""
         if cache is None and use_cache:
             cache = DynamicCache()
-        if cache is not None and not isinstance(cache, Cache):
+        if cache is None:
+            return None
+        if not isinstance(cache, Cache):
             raise ValueError(
                 f"past_key_values must be an llm.Cache or a tuple of (key, value) per layer, got {type(cache).__name__}"
             )
-        past = cache.get_seq_length() if cache is not None else 0
-        if cache is not None:
-            cache.validate(self.config, batch, seq, self.dtype)
-        total = past + seq
-        if self.wpe is not None and total > self.config.max_seq_len:
+        cache.validate(self.config, x.shape[0], x.shape[1], self.dtype)
+        return cache
+
+    def _padding_mask(self, attention_mask, batch: int, past: int, seq: int, device) -> torch.Tensor | None:
+        """``attention_mask`` as bool (batch, past + seq), or None where every position is real; checks
+        that the sequence fits learned positions."""
+        if self.wpe is not None and past + seq > self.config.max_seq_len:
             raise ValueError(
-                f"sequence too long: {past} cached + {seq} new positions = {total} > "
+                f"sequence too long: {past} cached + {seq} new positions = {past + seq} > "
                 f"max_seq_len={self.config.max_seq_len} (learned position embeddings)"
             )
+        if attention_mask is None:
+            return None
+        if tuple(attention_mask.shape) != (batch, past + seq):
+            raise ValueError(
+                f"attention_mask must cover the cached and the new positions: expected shape "
+                f"({batch}, {past} + {seq}), got {tuple(attention_mask.shape)}"
+            )
+        attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+        return None if bool(attention_mask.all()) else attention_mask  # no padding: the unmasked fast paths
 
-        if attention_mask is not None:
-            if tuple(attention_mask.shape) != (batch, total):
-                raise ValueError(
-                    f"attention_mask must cover the cached and the new positions: expected shape "
-                    f"({batch}, {past} + {seq}), got {tuple(attention_mask.shape)}"
-                )
-            attention_mask = attention_mask.to(device=x.device, dtype=torch.bool)
-            if bool(attention_mask.all()):
-                attention_mask = None  # no padding: take the unmasked fast paths
+    def _positions(self, x: torch.Tensor, position_ids, attention_mask, past: int):
+        """(x with learned position embeddings added, the rotary :class:`Rotation` or None)."""
+        if self.wpe is None and self.rotary is None:
+            return x, None
+        batch, seq = x.shape[:2]
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, past, seq, x.device)
+        elif position_ids.dim() != 2 or position_ids.shape[-1] != seq or position_ids.shape[0] not in (1, batch):
+            raise ValueError(f"position_ids must be (batch or 1, seq) = ({batch}, {seq}), got {tuple(position_ids.shape)}")
+        if self.wpe is None:
+            return x, self.rotary(position_ids, x.dtype)
+        if int(position_ids.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(position_ids.max())} is beyond max_seq_len={self.config.max_seq_len}")
+        return x + self.wpe(position_ids), None
 
-        rotary = None
-        if self.wpe is not None or self.rotary is not None:
-            if position_ids is None:
-                position_ids = position_ids_from_mask(attention_mask, past, seq, x.device)
-            elif position_ids.dim() != 2 or position_ids.shape[-1] != seq or position_ids.shape[0] not in (1, batch):
-                raise ValueError(
-                    f"position_ids must be (batch or 1, seq) = ({batch}, {seq}), got {tuple(position_ids.shape)}"
-                )
-            if self.wpe is not None:
-                if int(position_ids.max()) >= self.config.max_seq_len:
-                    raise ValueError(
-                        f"position {int(position_ids.max())} is beyond max_seq_len={self.config.max_seq_len}"
-                    )
-                x = x + self.wpe(position_ids)
-            else:
-                rotary = self.rotary(position_ids, x.dtype)
-        x = self.emb_drop(x)
-
-        attn_bias = None
-        if self.config.alibi:
-            slopes = alibi_slopes(self.config.n_heads, self.config.alibi_bias_max, device=x.device)
-            if attention_mask is None:
-                key_positions = torch.arange(total, device=x.device)[None]
-            else:
-                key_positions = attention_mask.long().cumsum(-1)
-            attn_bias = alibi_bias(slopes, key_positions, x.dtype)
-        plans = self._fused_weights(x) if attn_bias is None else None
-        fused = plans is not None
-        if fused:
-            x = self._blocks_over_buffer(x, cache if cache is not None else DynamicCache(), attention_mask, past, rotary,
-                                         plans)
+    def _alibi(self, attention_mask, total: int, x: torch.Tensor) -> torch.Tensor:
+        """ALiBi's bias over all ``total`` keys (:func:`alibi_bias`), positions counting real tokens only."""
+        slopes = alibi_slopes(self.config.n_heads, self.config.alibi_bias_max, device=x.device)
+        if attention_mask is None:
+            key_positions = torch.arange(total, device=x.device)[None]
         else:
-            query_padding_mask = attention_mask[:, -seq:] if attention_mask is not None else None
-            for block in self.blocks:
-                x = block(
-                    x, past_key_values=cache, attn_bias=attn_bias, key_padding_mask=attention_mask,
-                    query_padding_mask=query_padding_mask, rotary=rotary,
-                )
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = self._logits(x, fused)
-        if legacy:
-            cache = cache.to_legacy()
-        return CausalLMOutput(logits=logits, past_key_values=cache)
+            key_positions = attention_mask.long().cumsum(-1)
+        return alibi_bias(slopes, key_positions, x.dtype)
 
     def _fused_weights(self, x: torch.Tensor) -> list | None:
         """Every block's fused kernel weights for a step of ``x``, or None unless all blocks take it."""
@@ -448,177 +423,11 @@ class MosaicGPT(nn.Module):
     # -- files --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike, tokenizer=None,
                         generation_config: GenerationConfig | None = None) -> None:
-        """Write ``config.yaml`` and ``model.safetensors`` (and the tokenizer, if given) to ``directory``.
-
-        A quantized model (:func:`llm.quant.quantize`) writes its quantized tensors (int4 codes
-        unpacked, one uint8 per weight: the packed layout depends on the CPU) and
-        ``quantization.json``, which :meth:`from_pretrained` reads to rebuild the same modules.
-
-        ``generation_config`` (default: ``self.generation_config``) goes to
-        ``generation_config.json`` unless it is all defaults, in which case an older such file is
-        removed, so that the folder's generation defaults are always this model's. Each file is
-        written to a temporary name and renamed, so a crash never leaves a half written file under
-        the real name. The weights' metadata holds their :func:`weights_digest` (hashed from the
-        very tensors written), from which :meth:`from_pretrained` knows the :meth:`identity`.
-        """
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in self._weights_to_save().items()}
-        metadata = {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(state)}
-        atomic_write(directory / CONFIG_FILE, self.config.save)
-        atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata))
-        if self.quantization is not None:
-            text = json.dumps(self.quantization.to_dict(), indent=2) + "\n"
-            atomic_write(directory / QUANTIZATION_FILE, lambda path: Path(path).write_text(text))
-        else:
-            (directory / QUANTIZATION_FILE).unlink(missing_ok=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(directory))
-        generation_config = generation_config if generation_config is not None else self.generation_config
-        if generation_config != GenerationConfig():
-            generation_config.to_json_file(directory / GENERATION_CONFIG_FILE)
-        else:
-            (directory / GENERATION_CONFIG_FILE).unlink(missing_ok=True)
+        """Write the model (and ``tokenizer``) to ``directory`` as a bundle: :func:`llm.bundle.save_pretrained`."""
+        save_pretrained(self, directory, tokenizer, generation_config)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str | os.PathLike,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        quantization: str | None = None,
-        group_size: int = 32,
-        backend: str = "auto",
-    ) -> "MosaicGPT":
-        """Load a pretrained model, in eval mode: a directory written by :meth:`save_pretrained`,
-        a Llama-architecture ``.gguf`` file (llama.cpp; dequantized, float32 unless ``dtype``), or
-        a registered name (``"smollm2-135m-instruct"``, see :mod:`llm.utils.pretrained`).
-        ``generation_config`` is the directory's ``generation_config.json`` if it has one, the
-        registered model's recommended settings (``GENERATION_DEFAULTS``), else the defaults.
-
-        Args:
-            quantization: None: the weights as stored (a quantized bundle loads quantized, a
-                quantized GGUF file on its own blocks as with ``"gguf"``, anything else in floating
-                point); ``"none"``: a GGUF file dequantized to floating point, a bundle as stored;
-                ``"int8"`` / ``"int4"``: quantize while loading (:func:`llm.quant.quantize`), one
-                tensor at a time, so the float model is never held whole; ``"gguf"``: keep a GGUF
-                file's own quantization (:func:`llm.formats.gguf.load_gguf`: Q4_0 / Q4_1 blocks
-                become int4 groups of 32 without requantizing).
-            group_size: int4 group size for ``quantization="int4"``.
-            backend: whose kernels quantized layers take: ``"auto"`` (ours where they run, see
-                :func:`llm.quant.quantize`), ``"llm"`` or ``"torch"``.
-
-        Raises:
-            FileNotFoundError: if the directory, its config or its weights are missing, or the
-                GGUF file is (for a registered name: run ``make data``).
-            ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
-                naming the file and the tensors that did not fit; if ``generation_config.json``
-                is not a valid generation config (naming it); an unknown ``quantization``, or one
-                that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; a bad
-                ``backend`` (or ``"llm"`` where our kernels cannot run); for a GGUF
-                file, also an unsupported architecture or quantization type (see
-                :func:`llm.formats.load_gguf`).
-        """
-        if quantization is not None and quantization not in ("none", *METHODS, "gguf"):
-            raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
-        check_backend(backend, device or "cpu")
-        kind, directory = resolve(name_or_path)
-        if kind in LOADERS:
-            model = LOADERS[kind](directory, dtype=dtype, device=device, quantization=quantization,
-                                  group_size=group_size, backend=backend)
-            model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
-            return model
-        if not directory.exists():
-            raise FileNotFoundError(
-                f"no {CONFIG_FILE} in {directory}: no such directory, .gguf file or registered model "
-                f"name (registered: {sorted(PRETRAINED)})"
-            )
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")
-        config = MosaicGPTConfig.load(directory / CONFIG_FILE)
-        saved = _read_quantization(directory)
-        quantization = None if quantization == "none" else quantization
-        if quantization == "gguf":
-            raise ValueError(f'quantization="gguf" keeps a GGUF file\'s own quantization; {directory} is a bundle: '
-                             f'load a .gguf file, or quantize the bundle with "int8" or "int4"')
-        if saved is not None and quantization not in (None, saved.get("method")):
-            raise ValueError(f"{directory} holds {saved.get('method')} weights; load it with quantization=\"none\" "
-                             f"(requantizing {saved.get('method')} weights as {quantization} is not supported)")
-        weights_path = directory / WEIGHTS_FILE
-        model = cls.empty(config)
-        try:
-            with safe_open(str(weights_path), framework="pt") as weights:
-                stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
-                names = set(weights.keys())
-                if saved is None and quantization is None:
-                    state = {name: weights.get_tensor(name) for name in names}
-                    problems = shape_mismatches(model.state_dict(), state)
-                    if problems:
-                        raise ValueError(f"weights in {weights_path} do not fit its config: " + "; ".join(problems[:10]))
-                    model.load_state_dict(state, assign=True)
-                else:
-                    model = _load_quantized(model, weights, names, saved, quantization, group_size, weights_path,
-                                            backend)
-        except ValueError:
-            raise
-        except Exception as err:
-            raise ValueError(f"cannot read weights {weights_path}: {err}") from err
-        model.generation_config = load_generation_config(directory) or GenerationConfig()
-        model = model.to(device=device, dtype=dtype).eval()
-        # the stored digest is of the file's tensors: it stands for the model's unless dtype cast
-        # them or they were quantized while loading (an older bundle has none: identity() hashes
-        # the weights when first asked)
-        if stored_digest is not None and quantization is None and dtype is None:
-            model._remember_digest(stored_digest)
-        return model
-
-
-def _read_quantization(directory: Path) -> dict | None:
-    """The bundle's ``quantization.json``, or None; ValueError if it is not a JSON object."""
-    path = directory / QUANTIZATION_FILE
-    if not path.is_file():
-        return None
-    try:
-        spec = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from err
-    if not isinstance(spec, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(spec).__name__}")
-    return spec
-
-
-def _load_quantized(model, weights, names, saved, method, group_size, path, backend):
-    """Fill the meta ``model`` from an open safetensors file: a saved quantized model
-    (``saved``, its quantization.json) or float weights quantized one tensor at a time."""
-    if saved is not None:
-        owned = {f"{m}.{t}" for m in saved.get("quantized", []) for t in ("weight", "scales", "scales_and_zeros", "bias")}
-        if EMBEDDING in saved.get("quantized", []):
-            owned |= {f"{HEAD}.weight", f"{HEAD}.scales"}
-    else:
-        tied = model.lm_head is None
-        owned = {f"{name}.weight" for name in projections(model)} | {f"{EMBEDDING if tied else HEAD}.weight"}
-    plain = {name: weights.get_tensor(name) for name in names - owned}
-    expected = {k: v for k, v in model.state_dict().items() if k not in owned}
-    problems = shape_mismatches(expected, plain)
-    if problems:
-        raise ValueError(f"weights in {path} do not fit its config: " + "; ".join(problems[:10]))
-    model.load_state_dict(plain, strict=False, assign=True)
-
-    def tensor(name: str) -> torch.Tensor:
-        if name not in names:
-            raise ValueError(f"weights in {path} lack {name}")
-        return weights.get_tensor(name)
-
-    if saved is not None:
-        try:
-            quantize_like(model, saved, tensor, backend)
-        except ValueError as err:
-            raise ValueError(f"weights in {path} do not fit its quantization.json: {err}") from err
-    else:
-        quantize(model, method, group_size, weights=tensor, backend=backend)
-    left = [k for k, v in model.state_dict().items() if v.device.type == "meta"]
-    if left:
-        raise ValueError(f"weights in {path} lack {left[:10]}")
-    return model
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs) -> "MosaicGPT":
+        """Load a bundle, a ``.gguf`` file or a registered name, in eval mode, with ``device``,
+        ``dtype``, ``quantization``, ``group_size`` and ``backend``: :func:`llm.bundle.from_pretrained`."""
+        return from_pretrained(cls, name_or_path, **kwargs)

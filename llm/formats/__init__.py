@@ -6,7 +6,7 @@ from llm.formats.gguf import gguf_config, gguf_tokenizer, load_gguf, read_gguf, 
 from llm.formats.registry import PRETRAINED, load_tokenizer
 from llm.formats.transformers import (from_hf_gpt2, from_hf_mpt, from_transformers, gpt2_config, mpt_config,
                                       save_transformers)
-from llm.model import LOADERS
+from llm.bundle import LOADERS
 
 LOADERS["gguf"] = load_gguf
 
