@@ -32,6 +32,18 @@ _StreamingSharedMemory = streaming_prefix.SharedMemory
 streaming_prefix.SharedMemory = _probe_without_atexit
 streaming_dataset.SharedMemory = _probe_without_atexit  # its resume-state lookup, at every epoch
 
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """Our CPU kernels, built (once, at the first test that needs them, not at collection) or the
+    test skipped with the reason they cannot run here (shown in the summary: ``-rs``)."""
+    from llm.kernels import cpu_quant
+
+    reason = cpu_quant.unavailable()
+    if reason is not None:
+        pytest.skip(f"llm CPU kernels cannot run here: {reason}")
+    return cpu_quant
+
+
 POSITION_SCHEMES = {
     "learned": dict(learned_pos_emb=True),
     "alibi": dict(learned_pos_emb=False, alibi=True),

@@ -17,7 +17,7 @@ What would take minutes on two cores is substituted; the whole table is here:
   ``--compile`` dropped (compiling 30 blocks takes minutes on two cores;
   ``tests/generation/test_compiled.py`` compiles for real, and the CLI's flag is tested there too).
 * Skipped lines: ``make train`` / ``make test`` (they are what runs this),
-  ``composer -n 2`` (two processes; ``tests/test_ddp.py`` covers data-parallel training), and
+  ``composer -n 2`` (two processes; ``tests/train/test_ddp.py`` covers data-parallel training), and
   ``make bench-peers`` (it builds llama.cpp from source and benchmarks for many minutes; never CI).
 
 Each block is one test, named by its README line (``README.md:253``).

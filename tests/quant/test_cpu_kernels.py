@@ -24,7 +24,7 @@ from tests.quant.test_quant import int8_activations
 
 ROOT = Path(__file__).resolve().parents[2]
 GGUF = ROOT / PRETRAINED["smollm2-135m-instruct"]
-pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def int4_reference(x, codes, scales, mins, group_size):

@@ -18,7 +18,7 @@ from llm.generation import compiled
 from llm.kernels import cpu_quant
 from tests.conftest import tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_quant.unavailable() is not None, reason=f"llm CPU kernels: {cpu_quant.unavailable()}")
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 
 def step_inputs(model, batch: int, seq: int, capacity: int = 48, start: int = 20, seed: int = 0):

@@ -19,7 +19,7 @@ import llm.train
 from tests.train_helpers import BatchRecorder, extra_callbacks, read_record, tiny_config
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMPOSER = Path(sys.executable).with_name("composer")
 
 

@@ -28,7 +28,7 @@ from llm.train.trainer import CHECKPOINT_FILENAME, train
 from tests.train_helpers import BatchRecorder, extra_callbacks, read_record, tiny_config
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KILL_AFTER = 5  # checkpoints at batches 2 and 4, so the resumed run redoes batch 5
 
 

@@ -17,7 +17,7 @@ from llm.utils.config import ConfigError
 from tests.train_helpers import make_tiny_data, tiny_config
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

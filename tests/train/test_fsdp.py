@@ -23,7 +23,7 @@ from llm import MosaicGPTConfig
 from llm.train.composer_model import ComposerMosaicGPT
 from llm.train.builders import mark_fsdp_units
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FSDP_CFG = OmegaConf.to_container(OmegaConf.load(REPO / "configs/shakespeare-fsdp.yaml").parallelism_config.fsdp)
 
 

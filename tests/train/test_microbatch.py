@@ -79,7 +79,7 @@ def _padded_batch_grads(microbatch, on_tokens):
     return grabber.grads
 
 
-CUES = Path(__file__).resolve().parents[1] / "configs" / "data" / "shakespeare-cues-validation.jsonl"
+CUES = Path(__file__).resolve().parents[2] / "configs" / "data" / "shakespeare-cues-validation.jsonl"
 
 
 def test_padded_microbatches_need_token_weighting():

@@ -25,7 +25,7 @@ from llm.train.trainer import METRICS_FILE, resolve_config, train
 from tests.train_helpers import tiny_config
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A training run that stops at the end of batch 5 (checkpoints of batches 2 and 4 written), still
 # holding its folder, until it is killed: argv[1] its config (JSON), argv[2] a file it touches then.
