@@ -81,7 +81,7 @@ test: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n auto --dist loadfile
 
-# llama.cpp as a benchmark peer (scripts/bench_generate.py --fast, scripts/bench_serve.py), in a venv of its own: never .venv, never CI.
+# llama.cpp as a benchmark peer (python -m benchmarks.generate --fast, python -m benchmarks.serve), in a venv of its own: never .venv, never CI.
 # llama-cpp-python compiles llama.cpp for this CPU (minutes on 2 cores). The .pth file makes .venv's packages
 # and the repo importable there, so that one process can hold both runtimes; --no-deps keeps pip away from
 # .venv's packages, which it sees through that file (diskcache is the one dependency .venv lacks).
@@ -95,7 +95,7 @@ $(PEERS_STAMP): $(STAMP)
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
 	printf '%s\n%s\n' "$(CURDIR)" "$$($(PY) -c '$(PURELIB)')" > "$$($(PEERS_VENV)/bin/python -c '$(PURELIB)')/llm-main-venv.pth"
 	$(PEERS_VENV)/bin/pip install --no-deps diskcache==5.6.3
-	# llama-cpp-python's OpenAI server, for scripts/bench_serve.py (the rest of its stack comes from .venv)
+	# llama-cpp-python's OpenAI server, for python -m benchmarks.serve (the rest of its stack comes from .venv)
 	$(PEERS_VENV)/bin/pip install --no-deps fastapi==0.165.0 annotated-doc==0.0.7 sse-starlette==3.7.0 \
 		starlette-context==0.5.1 pydantic-settings==2.16.3 python-dotenv==1.2.4
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PEERS_VENV)/bin/pip install --no-deps --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_PYTHON)
@@ -121,7 +121,7 @@ $(LLAMA_BUILD)/.built: $(PEERS_STAMP)
 llama-tools: $(LLAMA_BUILD)/.built
 
 bench-peers: $(PEERS_STAMP) $(LLAMA_BUILD)/.built $(DATA_STAMP)
-	$(PEERS_VENV)/bin/python scripts/bench_generate.py --fast $(BENCH_PEERS_ARGS)
+	$(PEERS_VENV)/bin/python -m benchmarks.generate --fast $(BENCH_PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV) data models runs

@@ -39,7 +39,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     nothing is copied), which MKL's batched GEMM spreads over the threads, one block each: the
     output-row partitioning that llama.cpp's ggml gives its threads in matrix-vector products.
     Measured on 2 cores over SmolLM2-135M's 151 projections, tied head included
-    (``scripts/bench_generate.py --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64.
+    (``python -m benchmarks.generate --linear``): 1.6-2.3x faster for 1-4 rows, 1.3-1.5x for 6-64.
     Each output element is the same dot product; results equal ``F.linear``'s to float32
     rounding.
 

@@ -152,11 +152,11 @@ def test_bad_speed_options_are_refused_by_name(tiny_data, tmp_path):
     (["--json", "/nonexistent/dir/x.json"], "--json /nonexistent/dir/x.json: /nonexistent/dir is not an existing folder"),
 ])
 def test_the_benchmark_refuses_bad_arguments_in_one_line_before_measuring(argv, message, capsys, monkeypatch):
-    from llm.train import bench
+    from benchmarks import train as bench
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(bench, "measure_peak_flops", lambda *a, **k: pytest.fail("it started measuring"))
     with pytest.raises(SystemExit) as exit_:
         bench.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("bench_train.py: error: ") and message in err[0]
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("python -m benchmarks.train: error: ") and message in err[0]

@@ -1,4 +1,4 @@
-"""Smoke test of the data benchmark (``scripts/bench_data.py``): a tiny corpus through every
+"""Smoke test of the data benchmark (``python -m benchmarks.data``): a tiny corpus through every
 measurement, checking that the figures are computed and agree with each other (never timings
 against the goals), and that the preparer's shard writer, whose speed and memory the benchmark
 measures, writes exactly what Streaming's ``MDSWriter`` writes."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from llm.data.bench import MB, main, write_corpus
+from benchmarks.data import MB, main, write_corpus
 from llm.data.prepare import _ShardWriter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

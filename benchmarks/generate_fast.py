@@ -1,4 +1,4 @@
-"""The fast-decoding table (``scripts/bench_generate.py --fast``): every weight mode of ours, compiled
+"""The fast-decoding table (``python -m benchmarks.generate --fast``): every weight mode of ours, compiled
 or not, on torch's int4/int8 kernels and (compiled int8 and GGUF-native, where they run) on our
 own (:mod:`llm.kernels.cpu_quant`), against transformers and llama.cpp on the same GGUF file, in
 one run.
@@ -6,12 +6,12 @@ one run.
 For each engine: decode tokens/s at batch 1 and 8 (greedy, the same prompt token ids, the same
 new tokens, the same thread count), prefill tokens/s and time to first token at batch 1 (a
 generate of one token), load time and peak RSS (each engine loaded and run in a process of its
-own: :func:`llm.generation.peers.child_peak_rss`), the first call's seconds in a fresh process
+own: :func:`benchmarks.peers.child_peak_rss`), the first call's seconds in a fresh process
 with inductor's disk cache cold and warm (compiled modes), and held-out bits per byte on the
 Shakespeare validation plays (the same blocks of the model's tokens for every engine, llama.cpp's
 from its own logits). The decoding of all engines takes turns in one process (a slow spell of the
 machine falls on all of them), round after round; the decode rate of a call is timed inside it,
-from its first new token to its last (:class:`~llm.generation.bench.TokenClock`), so the prefill
+from its first new token to its last (:class:`~benchmarks.generate.TokenClock`), so the prefill
 and its noise stay out of it. Each engine's figure is the median over the rounds, and its ratio to
 llama.cpp the median of the per-round ratios. llama.cpp is also timed alone in a process without
 torch, to check that sharing a process does not slow it.
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from llm.formats.registry import load_tokenizer, resolve
 from llm.data import load_corpus
-from llm.generation.bench import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, versus
+from benchmarks.generate import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, versus
 from llm.generation.generate import generate
-from llm.generation.peers import LlamaCpp, child_peak_rss, extra_bufts_usable, llama_cpp_missing, run_alone
+from benchmarks.peers import LlamaCpp, child_peak_rss, extra_bufts_usable, llama_cpp_missing, run_alone
 from llm.kernels import cpu_quant
 from llm.model import MosaicGPT
 
@@ -137,7 +137,7 @@ def clocked(call, batch: int):
 
 
 def _in_child(args, engine: str, compile: bool, cache_dir: str, kernels: str = "torch") -> dict:
-    argv = [sys.executable, "-m", "llm.generation.bench_fast", "--child", engine, "--pretrained", args.pretrained,
+    argv = [sys.executable, "-m", "benchmarks.generate_fast", "--child", engine, "--pretrained", args.pretrained,
             "--threads", str(torch.get_num_threads()), "--backend", kernels] + (["--compile"] if compile else [])
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     status, out, err, rss_kb = child_peak_rss(argv, timeout=1800, env=env)
@@ -150,11 +150,11 @@ def fast_table(args) -> dict:
     """All rows; see the module docstring."""
     missing = llama_cpp_missing()
     if missing:
-        raise SystemExit(f"bench_generate.py --fast: {missing}")
+        raise SystemExit(f"python -m benchmarks.generate --fast: {missing}")
     threads = torch.get_num_threads()
     kind, path = resolve(args.pretrained)
     if kind != "gguf":
-        raise SystemExit(f"bench_generate.py --fast: --pretrained must be a GGUF model, llama.cpp's format; got {path}")
+        raise SystemExit(f"python -m benchmarks.generate --fast: --pretrained must be a GGUF model, llama.cpp's format; got {path}")
     gguf_path = str(path)
     tokenizer = load_tokenizer(args.pretrained)
     prompt = prompt_ids(tokenizer)
@@ -255,8 +255,8 @@ def fast_table(args) -> dict:
 def print_fast(results: dict) -> None:
     print(f"## Fast decoding, {results['threads']} threads, prompt {results['prompt_tokens']} tokens, "
           f"{results['new_tokens']} new (greedy)\n")
-    print(f"decode: tokens/s from each call's first new token to its last, the median of the rounds taking turns; "
-          f"vs_llama_cpp: the median of the per-round ratios at batch 1 (vs_range: their range)\n")
+    print("decode: tokens/s from each call's first new token to its last, the median of the rounds taking turns; "
+          "vs_llama_cpp: the median of the per-round ratios at batch 1 (vs_range: their range)\n")
     print(markdown(results["table"]))
     print(f"\nllama.cpp decode at batch 1: {results['llama_cpp_in_process_decode']:.1f} tokens/s in this process, "
           f"{results['llama_cpp_alone_decode']:.1f} alone; extra buffer types: {results['llama_cpp_extra_bufts']}")
@@ -266,7 +266,7 @@ def print_fast(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``--child ENGINE``: one engine measured in this process (see :func:`_child`)."""
-    p = argparse.ArgumentParser(prog="bench_fast")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.generate_fast")
     p.add_argument("--child", required=True)
     p.add_argument("--pretrained", required=True)
     p.add_argument("--threads", type=int, required=True)

@@ -6,7 +6,7 @@ runs on one core (`--busy`), to show how much of the quiet speed each keeps on a
 
 Ours runs as a user gets it: `MosaicGPT.from_pretrained(file)` with no flag (the file's own blocks
 on our kernels, eager). Needs `make llama-tools` (llama.cpp built in .venv-peers); run it alone on
-the machine: `.venv/bin/python scripts/bench_llama_bench.py`.
+the machine: `.venv/bin/python -m benchmarks.llama_bench`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def llama_bench(tools: Path, path: Path, threads: int) -> tuple[float, float]:
 def ours(model: MosaicGPT, start: int) -> tuple[float, float]:
     """(decode, prefill) tokens/s: 128 new tokens after one (as tg128, timed from the first new
     token to the last), and one forward of 512 tokens."""
-    from llm.generation.bench import TokenClock
+    from benchmarks.generate import TokenClock
 
     clock = TokenClock()
     model.generate(torch.tensor([[start]]), max_new_tokens=129, do_sample=False, eos_token_id=None, stop_strings=None,

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -126,7 +125,7 @@ class LlamaCpp:
         """Greedy decoding of ``len(prompts)`` sequences side by side (each its own KV sequence),
         ``new_tokens`` each, never stopping early. Returns (batch, new_tokens) int64 new token ids.
         ``on_token``, if given, is called with each step's (batch,) int64 ids as soon as they are
-        chosen (e.g. ``TokenClock.tick`` of :mod:`llm.generation.bench`).
+        chosen (e.g. ``TokenClock.tick`` of :mod:`benchmarks.generate`).
 
         Raises:
             ValueError: for more prompts than ``n_seq_max`` or an empty prompt.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from llm.generation.bench import _timed_interleaved, linear_table
+from benchmarks.generate import _timed_interleaved, linear_table
 from tests.conftest import tiny_model
 
 
@@ -50,7 +50,7 @@ def test_bits_per_byte_of_the_fast_table_is_the_evaluators_cross_entropy_per_byt
     import torch
 
     from llm.data import build_char_tokenizer, load_corpus
-    from llm.generation.bench_fast import bits_per_byte, eval_blocks, ours_nll
+    from benchmarks.generate_fast import bits_per_byte, eval_blocks, ours_nll
 
     tokenizer = build_char_tokenizer(load_corpus("validation"))
     blocks, n_bytes = eval_blocks(tokenizer, blocks=3, length=40)
@@ -67,14 +67,14 @@ def test_bits_per_byte_of_the_fast_table_is_the_evaluators_cross_entropy_per_byt
 
 
 def test_the_fast_table_without_llama_cpp_says_how_to_get_it():
-    from llm.generation.bench import main
+    from benchmarks.generate import main
 
     with pytest.raises(SystemExit, match="make bench-peers"):
         main(["--fast"])
 
 
 def test_token_clock_skips_the_prompt_and_times_from_the_first_new_token_to_the_last(monkeypatch):
-    from llm.generation.bench import TokenClock
+    from benchmarks.generate import TokenClock
 
     now = iter([10.0, 10.5, 11.0, 12.0])
     monkeypatch.setattr(time, "perf_counter", lambda: next(now))
@@ -93,8 +93,8 @@ def test_token_clock_skips_the_prompt_and_times_from_the_first_new_token_to_the_
 
 @pytest.mark.parametrize("hf", [False, True])
 def test_token_clock_sees_every_new_token_of_our_generate_and_of_transformers(hf):
-    from llm.generation.bench import TokenClock, hf_llama
-    from llm.generation.bench_fast import _generate
+    from benchmarks.generate import TokenClock, hf_llama
+    from benchmarks.generate_fast import _generate
 
     model = tiny_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (3, 5))
@@ -105,7 +105,7 @@ def test_token_clock_sees_every_new_token_of_our_generate_and_of_transformers(hf
 
 
 def test_decode_rounds_take_turns_after_a_warm_up_rotating_who_goes_first_and_keep_every_rate():
-    from llm.generation.bench import decode_rounds, versus
+    from benchmarks.generate import decode_rounds, versus
 
     order, rates = [], iter([9.0, 9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.5])
 
@@ -128,7 +128,7 @@ def test_decode_rounds_take_turns_after_a_warm_up_rotating_who_goes_first_and_ke
 
 @pytest.mark.parametrize("rate", [float("nan"), 0.0, float("inf")])
 def test_decode_rounds_refuse_a_call_that_timed_no_decoding(rate):
-    from llm.generation.bench import decode_rounds
+    from benchmarks.generate import decode_rounds
 
     with pytest.raises(ValueError, match=r"call 1 of round 0 gave no decode rate .*fewer than two steps"):
         decode_rounds([lambda: (None, 5.0), lambda: (None, rate)], rounds=2)
@@ -136,7 +136,7 @@ def test_decode_rounds_refuse_a_call_that_timed_no_decoding(rate):
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--new-tokens", "1"]])
 def test_the_fast_table_refuses_settings_that_time_no_decoding(argv, capsys):
-    from llm.generation.bench import main
+    from benchmarks.generate import main
 
     with pytest.raises(SystemExit):
         main(["--fast", *argv])

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from llm.formats.registry import REPO_ROOT, registered_path
+from llm.utils.pretrained import registered_path
 
-PEERS_PYTHON = REPO_ROOT / ".venv-peers" / "bin" / "python"
+PEERS_PYTHON = Path(".venv-peers/bin/python")  # made by `make bench-peers` in the checkout's root
 
 #: Real questions of different lengths and answers (the same for every server and run).
 PROMPTS = [
@@ -66,7 +66,7 @@ class ServerProcess:
     def __init__(self, command: list[str], port: int, ready_path: str, timeout_s: float = 600):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-serve-{port}.log", "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.process.poll() is not None:
@@ -166,7 +166,7 @@ def _peer_available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_serve.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="what scripts/serve.py serves")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2,
@@ -215,3 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Benchmark of the data pipeline: preparation throughput and memory, and loader throughput.
 
-:func:`run` (``scripts/bench_data.py``) measures, in one run:
+:func:`run` (``python -m benchmarks.data``) measures, in one run:
 
 1. **Prepare throughput**: ``scripts/prepare_data.py`` (the real code path, default options,
    ``--workers`` = all CPUs) over a generated JSON Lines corpus of ``size_mb`` MB of real text
@@ -48,12 +48,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PLAYS_TEXT = REPO_ROOT / "data/shakespeare/text/train"
-ENGLISH = REPO_ROOT / "data/english"
-DEFAULT_TOKENIZER = REPO_ROOT / "data/shakespeare/bpe-2048/tokenizer"
-DEFAULT_CONFIG = REPO_ROOT / "configs/shakespeare.yaml"
-PREPARE_SCRIPT = REPO_ROOT / "scripts/prepare_data.py"
+# Relative to the current directory: the benchmark runs from the checkout's root (`make data` fetched these).
+PLAYS_TEXT = Path("data/shakespeare/text/train")
+ENGLISH = Path("data/english")
+DEFAULT_TOKENIZER = Path("data/shakespeare/bpe-2048/tokenizer")
+DEFAULT_CONFIG = Path("configs/shakespeare.yaml")
+PREPARE_SCRIPT = Path("scripts/prepare_data.py")
 MB = 1_000_000  # sizes, rates and memory in MB are 10**6 bytes
 GOAL_PREPARE_RATIO = 0.70
 GOAL_PEAK_RSS = 1000 * MB  # 1 GB
@@ -309,11 +309,11 @@ class MemoryWatch:
 
 
 def run_child(command: Sequence[str], *, env: dict | None = None, watch: bool = False) -> dict:
-    """Run ``command`` in ``REPO_ROOT``: its ``stdout``, ``seconds`` (wall), ``cpu_seconds`` (user +
+    """Run ``command`` in the current directory: its ``stdout``, ``seconds`` (wall), ``cpu_seconds`` (user +
     system, its waited descendants included) and ``ru_maxrss`` (bytes) from ``wait4``, and with
     ``watch`` its process tree's memory (a :class:`MemoryWatch`). Raises RuntimeError if it fails."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     memory = MemoryWatch(process.pid)
     with memory if watch else contextlib.nullcontext():
         # Read the pipes in threads so a chatty child never blocks; wait4 gives its rusage.
@@ -618,12 +618,12 @@ def table(figures: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_data.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.data", description=__doc__.splitlines()[0])
     p.add_argument("--size-mb", type=float, default=1024, help="corpus size in MB of text (default %(default)s)")
     p.add_argument("--workers", type=int, default=None,
                    help="prepare's --workers and raw's threads (default: the CPUs)")
     p.add_argument("--tokenizer", default=None,
-                   help=f"tokenizer spec (default: {DEFAULT_TOKENIZER.relative_to(REPO_ROOT)} if present, else a "
+                   help=f"tokenizer spec (default: {DEFAULT_TOKENIZER} if present, else a "
                         "bpe:2048 trained on 2 MB of the corpus)")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--work-dir", default=None, help="where the temporary folder goes (default: the system's)")
@@ -646,3 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
     return 0 if all(figures["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

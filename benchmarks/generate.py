@@ -1,4 +1,4 @@
-"""Decoding benchmarks, each mode measured against its peer in the same run (``scripts/bench_generate.py``).
+"""Decoding benchmarks, each mode measured against its peer in the same run (``python -m benchmarks.generate``).
 
 Two tables, and a third on request (``--linear``):
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class TokenClock:
     transformers' ``generate`` both call) that notes when each step's new tokens arrive.
 
     The first ``put`` is the prompt and is skipped; every later one (or :meth:`tick`, for engines
-    that call back with new ids only, as :meth:`llm.generation.peers.LlamaCpp.greedy`) records
+    that call back with new ids only, as :meth:`benchmarks.peers.LlamaCpp.greedy`) records
     ``time.perf_counter()`` and the tokens per row it brought (``ids``' elements / ``batch``).
 
     Args:
@@ -309,7 +310,7 @@ def _decoding_tables(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks; prints markdown tables and optionally writes JSON."""
-    p = argparse.ArgumentParser(prog="scripts/bench_generate.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="runs/shakespeare/model", help="the Shakespeare model bundle")
     p.add_argument("--draft-model", default="runs/shakespeare-draft/model", help="its draft model (skipped if absent)")
     p.add_argument("--pretrained", default="smollm2-135m-instruct", help="a pretrained model; 'none' to skip")
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     if args.fast:
-        from llm.generation.bench_fast import fast_table, print_fast
+        from benchmarks.generate_fast import fast_table, print_fast
 
         args.new_tokens = 64 if args.new_tokens == p.get_default("new_tokens") else args.new_tokens
         args.repeats = 5 if args.repeats == p.get_default("repeats") else args.repeats
@@ -354,3 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

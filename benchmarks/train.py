@@ -93,7 +93,7 @@ def _plain_row(cfg: dict, batches: int, warmup: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="bench_train.py", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m benchmarks.train", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", default="configs/shakespeare.yaml")
     p.add_argument("--batches", type=integer(1), default=20, help="timed batches per row (default 20)")
     p.add_argument("--warmup", type=integer(0), default=3,
@@ -142,3 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"peaks": peaks, "rows": rows}, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

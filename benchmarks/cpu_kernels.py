@@ -2,7 +2,7 @@
 next to llama.cpp: decode tokens/s at batch 1 (timed inside each call, from the first new token to
 the last; the median of rounds, and the median of the per-round ratios to llama.cpp), prefill
 tokens/s and held-out bits per byte, the engines taking turns in one process. Needs
-llama-cpp-python: run it with `.venv-peers/bin/python scripts/bench_cpu_kernels.py` after
+llama-cpp-python: run it with `.venv-peers/bin/python -m benchmarks.cpu_kernels` after
 `make bench-peers`, alone on the machine.
 """
 
@@ -15,10 +15,10 @@ import tempfile
 import torch
 
 from llm.formats.registry import load_tokenizer, resolve
-from llm.generation.bench import _timed_interleaved, decode_rounds, versus
-from llm.generation.bench_fast import (_generate, bits_per_byte, clocked, eval_blocks, llama_nll, load_ours, ours_nll,
+from benchmarks.generate import _timed_interleaved, decode_rounds, versus
+from benchmarks.generate_fast import (_generate, bits_per_byte, clocked, eval_blocks, llama_nll, load_ours, ours_nll,
                                        prompt_ids)
-from llm.generation.peers import LlamaCpp, llama_cpp_missing
+from benchmarks.peers import LlamaCpp, llama_cpp_missing
 from llm.kernels import cpu_quant
 
 

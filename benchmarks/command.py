@@ -9,7 +9,7 @@ llama_cpp. The processes take turns, round after round; each figure is the media
 rounds. Memory is also given as (peak - peak of ``import torch``) / file size, the issue's
 measure of what the model costs beyond the framework.
 
-Run it alone on the machine: `.venv/bin/python scripts/bench_command.py [--rounds 5]`.
+Run it alone on the machine: `.venv/bin/python -m benchmarks.command [--rounds 5]`.
 """
 
 from __future__ import annotations
