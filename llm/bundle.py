@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llm.config import MosaicGPTConfig
+from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.generation.config import GENERATION_CONFIG_FILE, GenerationConfig, load_generation_config
 from llm.io import atomic_write, shape_mismatches
 from llm.quant import METHODS, QUANTIZATION_FILE, quantize, quantize_like
@@ -50,6 +50,53 @@ def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def weights_to_save(model) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as :func:`save_pretrained` writes it: a quantized output layer tied to
+    the embedding shares its int8 storage, so it is written once, as ``wte.*``."""
+    state = model.state_dict()
+    if model.quantization is not None and model.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+    return state
+
+
+def _weights_key(state: Mapping[str, torch.Tensor]) -> tuple:
+    """What changes when a weight is written in place, replaced or moved."""
+    # inference tensors keep no version counter; they can only be written in inference mode
+    return tuple((name, -1 if t.is_inference() else t._version, t.data_ptr(), t.dtype, t.device)
+                 for name, t in state.items())
+
+
+def remember_digest(model, digest: str) -> None:
+    """Take ``digest`` as the :func:`weights_digest` of ``model``'s weights as they are now (see
+    :func:`model_identity`)."""
+    model._digest = (_weights_key(weights_to_save(model)), digest)
+
+
+def model_identity(model) -> str:
+    """SHA-256 (hex) of a model's config and weights: which model this is, e.g. for a saved KV
+    cache to be reused by the model that made it only (:meth:`llm.cache.Cache.load`).
+
+    The config counts without ``attn_impl`` (how attention is computed, not what); the weights
+    with their dtype (:func:`weights_digest`), so a cast model is another model. The weights are
+    hashed at the first call and the result kept in ``model._digest`` while every tensor of the
+    state dict keeps its autograd version counter and storage, and the model stays in eval mode:
+    an optimizer step, ``load_state_dict`` or a move gives a new identity. Entering training mode
+    forgets it (a fused optimizer's step does not count versions); writes through
+    ``param.data`` in eval mode are not seen. :func:`from_pretrained` knows a bundle's digest
+    without hashing (:func:`save_pretrained` stores it); a GGUF model is hashed like a model
+    built in memory, so it shares its identity with its saved bundle.
+    """
+    state = weights_to_save(model)
+    key = _weights_key(state)
+    if model._digest is not None and model._digest[0] == key:
+        digest = model._digest[1]
+    else:
+        digest = weights_digest(state)
+        model._digest = None if model.training else (key, digest)
+    config = {k: float(v) if k in FLOAT_KEYS else v for k, v in model.config.to_dict().items() if k != "attn_impl"}
+    return hashlib.sha256(f"{json.dumps(config, sort_keys=True)}\n{digest}".encode()).hexdigest()
+
+
 def save_pretrained(model, directory: str | os.PathLike, tokenizer=None,
                     generation_config: GenerationConfig | None = None) -> None:
     """Write ``model``'s ``config.yaml`` and ``model.safetensors`` (and the tokenizer, if given) to ``directory``.
@@ -67,7 +114,7 @@ def save_pretrained(model, directory: str | os.PathLike, tokenizer=None,
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model._weights_to_save().items()}
+    state = {k: v.detach().contiguous() for k, v in weights_to_save(model).items()}
     metadata = {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(state)}
     atomic_write(directory / CONFIG_FILE, model.config.save)
     atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata))
@@ -175,7 +222,7 @@ def from_pretrained(
     # them or they were quantized while loading (an older bundle has none: identity() hashes
     # the weights when first asked)
     if stored_digest is not None and quantization is None and dtype is None:
-        model._remember_digest(stored_digest)
+        remember_digest(model, stored_digest)
     return model
 
 

@@ -7,7 +7,7 @@ import string
 import pytest
 import torch
 
-import llm.model
+import llm.bundle
 from llm import Cache, DynamicCache, MosaicGPT, StaticCache
 from llm.data import build_char_tokenizer
 from tests.conftest import tiny_model
@@ -128,7 +128,7 @@ def test_a_bundle_keeps_its_identity_without_rehashing(tmp_path, monkeypatch):
     def no_hashing(state):
         raise AssertionError("from_pretrained must take the digest save_pretrained stored")
 
-    monkeypatch.setattr(llm.model, "weights_digest", no_hashing)
+    monkeypatch.setattr(llm.bundle, "weights_digest", no_hashing)
     loaded = MosaicGPT.from_pretrained(tmp_path / "a")
     assert loaded.identity() == a.identity()
     assert Cache.load(tmp_path / "a.cache", model=loaded).get_seq_length() == 5

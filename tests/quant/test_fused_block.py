@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-import llm.model as model_module
+import llm.model.buffer as model_module
 from llm.layers import blocks as blocks_module
 
 from llm.cache import StaticCache
