@@ -28,8 +28,8 @@ from starlette.routing import Route
 
 from llm.generation.config import GenerationConfig
 from llm.serve.engine import Engine, QueueFull
-from llm.serve.protocol import (APIError, TextStream, chunk, new_id, parse_body, parse_request, response, usage,
-                                usage_chunk)
+from llm.serve.protocol import (APIError, TextStream, Usage, chunk, new_id, parse_body, parse_request, response,
+                                usage, usage_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class _Run:
             if sequence.finish_reason is None:
                 sequence.cancel()
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         prompts = self.parsed.prompts
         n = len(self.sequences) // len(prompts)  # choice i of prompt p is sequence p * n + i
         cached = sum(self.sequences[p * n].cached_tokens for p in range(len(prompts)))

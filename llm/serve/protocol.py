@@ -1,5 +1,7 @@
-"""The OpenAI API's request and response shapes: request bodies checked and turned into engine
-requests, responses and stream chunks built, new tokens turned into text.
+"""The OpenAI API's request and response shapes as pydantic models: request bodies checked
+(:class:`CompletionRequest`, :class:`ChatCompletionRequest`) and turned into engine requests,
+responses and stream chunks built (:class:`Completion`, :class:`ChatCompletion`,
+:class:`ChatCompletionChunk`), new tokens turned into text.
 
 Field names, defaults and error bodies are OpenAI's (``/v1/completions`` and
 ``/v1/chat/completions``, as vLLM and llama.cpp's ``llama-server`` serve them); our extra sampling
@@ -10,11 +12,13 @@ fields take their transformers names (``top_k``, ``min_p``, ``repetition_penalty
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llm.generation.config import GenerationConfig
 
@@ -69,30 +73,178 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-          dict: "an object"}
+class _Body(BaseModel):
+    """A request body's fields, typed as JSON gives them: no strings for numbers, no booleans for
+    integers (an integer is a number), finite numbers only; unknown fields are ignored, as OpenAI's
+    server does; null is the same as absent."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-def _field(body: dict, name: str, kind, default=None, *, minimum=None, maximum=None, above=None):
-    """``body[name]`` checked: of ``kind`` (int accepted for float, bool never for numbers), within
-    the bounds; ``default`` when absent or null."""
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
-        raise bad(f"'{name}' must be {_NAMES[kind]}, got {json.dumps(value)}", name)
-    if kind is float and not math.isfinite(value):
-        raise bad(f"'{name}' must be a finite number, got {value}", name)
-    if minimum is not None and value < minimum:
-        raise bad(f"'{name}' must be >= {minimum}, got {value}", name)
-    if maximum is not None and value > maximum:
-        raise bad(f"'{name}' must be <= {maximum}, got {value}", name)
-    if above is not None and value <= above:
-        raise bad(f"'{name}' must be > {above}, got {value}", name)
-    return value
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+
+
+#: Chat roles served, as OpenAI names them -> the role given to the chat template (OpenAI's
+#: "developer" messages are what "system" messages were).
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatMessage(_Body):
+    """One message of a chat request; ``content`` is a string or an array of text parts (joined)."""
+
+    role: str
+    content: Any = None
+
+    @field_validator("role")
+    @classmethod
+    def _served_role(cls, role: str) -> str:
+        if role not in _ROLES:
+            served = "; tools are not served" if role in ("tool", "function") else ""
+            raise ValueError(f"must be one of {', '.join(_ROLES)}, got {role!r}{served}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("must be a string or an array of text parts")
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("must be a string or text parts ({'type': 'text', 'text': ...}), got a part "
+                                 f"{json.dumps(part)[:80]}")
+        return "".join(part["text"] for part in content)
+
+
+def _neutral(*values):
+    """A check that refuses a field this server does not implement unless it has a neutral value."""
+
+    def check(cls, value):
+        # by type too: 0 is not the neutral False of logprobs
+        if value is not None and not any(type(value) is type(v) and value == v for v in values):
+            raise ValueError(f"is not supported by this server (got {json.dumps(value)[:80]})")
+        return value
+
+    return check
+
+
+class _Request(_Body):
+    """The fields /v1/completions and /v1/chat/completions share (OpenAI's, plus transformers'
+    names for our extra sampling fields)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    prompt_lookup_num_tokens: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Any = None
+    # OpenAI fields that would change the answer and that this server does not implement: refused,
+    # rather than answered as if they were not there (their neutral values pass).
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tool_choice: Any = None
+
+    _penalties = field_validator("presence_penalty", "frequency_penalty")(_neutral(0, 0.0))
+    _bias = field_validator("logit_bias")(_neutral({}))
+    _logprobs = field_validator("logprobs")(_neutral(False))
+    _top_logprobs = field_validator("top_logprobs")(_neutral())
+    _tool_choice = field_validator("tool_choice")(_neutral("none", "auto"))
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop) -> tuple[str, ...]:
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+            raise ValueError(f"must be a string or an array of strings, got {json.dumps(stop)[:80]}")
+        return tuple(s for s in stop or () if s)
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value):
+        if isinstance(value, dict) and value.get("type") not in (None, "text"):
+            raise ValueError(f"is not supported by this server (got {json.dumps(value)[:80]})")
+        return value
+
+
+def _prompt_items(prompt) -> list:
+    """OpenAI's four prompt forms as a list of strings and token-id lists."""
+    def ids(item) -> bool:
+        return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+    if isinstance(prompt, str) or (ids(prompt) and prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("must be a string, an array of strings, an array of token ids or an array of arrays "
+                         "of token ids, and not empty")
+    for item in prompt:
+        if not (isinstance(item, str) or ids(item)):
+            raise ValueError("must be a string, an array of strings, an array of token ids or an array of "
+                             f"arrays of token ids; got an item {json.dumps(item)[:80]}")
+    return prompt
+
+
+class CompletionRequest(_Request):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: Any
+    echo: bool | None = None
+    best_of: Any = None
+    suffix: Any = None
+
+    _prompt = field_validator("prompt")(lambda cls, value: _prompt_items(value))
+    _best_of = field_validator("best_of")(_neutral(1))
+    _suffix = field_validator("suffix")(_neutral(""))
+
+
+class ChatCompletionRequest(_Request):
+    """The body of ``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of
+    ``max_tokens`` (which OpenAI deprecates for chat) and wins over it."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _path(loc: tuple) -> str:
+    """pydantic's error location as a dotted path: ``messages[1].role``, ``stream_options.include_usage``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+#: pydantic's type names -> JSON's, as a client writes its request
+_JSON_NAMES = (("a valid list", "an array"), ("a valid dictionary", "an object"), ("a valid integer", "an integer"),
+               ("a valid number", "a number"), ("a valid boolean", "a boolean"), ("a valid string", "a string"))
+
+
+def _bad_body(err: ValidationError) -> APIError:
+    """The first of pydantic's errors as one line naming the field, what is allowed and what came."""
+    first = err.errors(include_url=False)[0]
+    path = _path(first["loc"])
+    if first["type"] == "missing":
+        return bad(f"'{path}' is required", path)
+    if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        message = "must be an object"
+    else:
+        message = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        message = message.replace("List should have", "must have").replace(" after validation", "")
+        for python, json_name in _JSON_NAMES:
+            message = message.replace(python, json_name)
+    got = "" if first["type"] == "value_error" else f", got {json.dumps(first.get('input'), default=str)[:80]}"
+    return bad(f"'{path}' {message}{got}", path)
 
 
 @dataclass
@@ -115,73 +267,29 @@ class Parsed:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _token_ids(item: list, vocab_size: int) -> list[int]:
-    bad_ids = [t for t in item if not 0 <= t < vocab_size]
-    if bad_ids:
-        raise bad(f"'prompt' holds token id {bad_ids[0]}, outside the vocabulary of {vocab_size} tokens "
-                  f"(ids 0 to {vocab_size - 1})", "prompt")
-    return list(item)
-
-
-def _prompts(body: dict, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad("'prompt' must be a string, an array of strings, an array of token ids or an array of arrays "
-                  "of token ids, and not empty", "prompt")
+def _prompts(request: CompletionRequest, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
     ids, texts = [], []
-    for item in prompt:
+    for item in request.prompt:
         if isinstance(item, str):
             ids.append(tokenizer(item, add_special_tokens=False).input_ids)
             texts.append(item)
-        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-            ids.append(_token_ids(item, vocab_size))
-            texts.append(tokenizer.decode(ids[-1]))
-        else:
-            raise bad("'prompt' must be a string, an array of strings, an array of token ids or an array of "
-                      f"arrays of token ids; got an item {json.dumps(item)[:80]}", "prompt")
+            continue
+        bad_ids = [t for t in item if not 0 <= t < vocab_size]
+        if bad_ids:
+            raise bad(f"'prompt' holds token id {bad_ids[0]}, outside the vocabulary of {vocab_size} tokens "
+                      f"(ids 0 to {vocab_size - 1})", "prompt")
+        ids.append(list(item))
+        texts.append(tokenizer.decode(item))
     return ids, texts
 
 
-def _content(message: dict, i: int) -> str | None:
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                          f"supported, got {json.dumps(part)[:80]}", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or an array of text parts", "messages")
-
-
-#: Chat roles served, as OpenAI names them -> the role given to the chat template (OpenAI's
-#: "developer" messages are what "system" messages were).
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def _chat_prompt(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty array of {'role', 'content'} objects", "messages")
+def _chat_prompt(request: ChatCompletionRequest, tokenizer) -> tuple[list[list[int]], list[str]]:
     turns = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        role = message["role"]
-        if role not in _ROLES:
-            served = "; tools are not served" if role in ("tool", "function") else ""
-            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}{served}", "messages")
-        content = _content(message, i)
+    for i, message in enumerate(request.messages):
+        content = message.content
         if content is None:
-            raise bad(f"messages[{i}] has no 'content' (a string or an array of text parts)", "messages")
-        turns.append({"role": _ROLES[role], "content": content})
+            raise bad(f"messages[{i}] has no 'content' (a string or an array of text parts)", f"messages[{i}].content")
+        turns.append({"role": _ROLES[message.role], "content": content})
     if not getattr(tokenizer, "chat_template", None):
         raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
@@ -191,20 +299,10 @@ def _chat_prompt(body: dict, tokenizer) -> tuple[list[list[int]], list[str]]:
     return [tokenizer(text, add_special_tokens=False).input_ids], [text]
 
 
-#: OpenAI fields that would change the answer and that this server does not implement: refused,
-#: rather than answered as if they were not there (their neutral values pass).
-_UNSERVED = {
-    "presence_penalty": lambda v: v not in (None, 0, 0.0), "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "logit_bias": lambda v: bool(v), "best_of": lambda v: v not in (None, 1), "suffix": lambda v: bool(v),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
-    "tool_choice": lambda v: v not in (None, "none", "auto"),
-    "logprobs": lambda v: v is not None and v is not False, "top_logprobs": lambda v: v is not None,
-}
-
-
 def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConfig, max_seq_len: int,
                   max_choices: int, vocab_size: int | None = None) -> Parsed:
-    """Check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body.
+    """Check a ``/v1/completions`` (``chat=False``) or ``/v1/chat/completions`` body against
+    :class:`CompletionRequest` / :class:`ChatCompletionRequest` and the model.
 
     Args:
         defaults: the model's generation config (its sampling defaults, eos id), under the
@@ -214,43 +312,27 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
         vocab_size: token ids given as prompts must be below it (default: the tokenizer's size).
 
     Raises:
-        APIError: 400 naming the field for a missing or mistyped field, a value out of range
-            (``max_tokens`` < 1, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n`` < 1...), a
-            prompt that with its ``max_tokens`` exceeds the context, token ids outside the
-            vocabulary, or a field this server does not implement with a value that would matter
-            (``logprobs``, penalties, ``logit_bias``, ``best_of``, ``suffix``, ``response_format``
-            other than text, a forced ``tool_choice``).
+        APIError: 400 naming the field (its dotted path as ``param``) for a missing or mistyped
+            field, a value out of range (``max_tokens`` < 1, ``temperature`` < 0, ``top_p``
+            outside (0, 1], ``n`` < 1...), a prompt that with its ``max_tokens`` exceeds the
+            context, token ids outside the vocabulary, or a field this server does not implement
+            with a value that would matter (``logprobs``, penalties, ``logit_bias``, ``best_of``,
+            ``suffix``, ``response_format`` other than text, a forced ``tool_choice``).
     """
-    for name, matters in _UNSERVED.items():
-        if matters(body.get(name)):
-            raise bad(f"'{name}' is not supported by this server (got {json.dumps(body.get(name))[:80]})", name)
+    try:
+        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as err:
+        raise _bad_body(err) from None
     vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
-    prompts, texts = _chat_prompt(body, tokenizer) if chat else _prompts(body, tokenizer, vocab_size)
-    # max_completion_tokens is the newer name of max_tokens (which OpenAI deprecates for chat): it wins
-    max_tokens = _field(body, "max_tokens", int, None, minimum=1)
-    if chat:
-        max_tokens = _field(body, "max_completion_tokens", int, max_tokens, minimum=1)
-    n = _field(body, "n", int, 1, minimum=1)
+    prompts, texts = _chat_prompt(request, tokenizer) if chat else _prompts(request, tokenizer, vocab_size)
+    max_tokens = request.max_tokens
+    if chat and request.max_completion_tokens is not None:
+        max_tokens = request.max_completion_tokens
+    n = request.n or 1
     if n * len(prompts) > max_choices:
         raise bad(f"{len(prompts)} prompts x n={n} asks for {n * len(prompts)} completions; this server takes "
                   f"at most {max_choices} per request", "n")
-    temperature = _field(body, "temperature", float, None, minimum=0.0)
-    top_p = _field(body, "top_p", float, None, maximum=1.0, above=0.0)
-    top_k = _field(body, "top_k", int, None, minimum=-1)
-    min_p = _field(body, "min_p", float, None, minimum=0.0, maximum=1.0)
-    repetition_penalty = _field(body, "repetition_penalty", float, None, above=0.0)
-    lookup = _field(body, "prompt_lookup_num_tokens", int, None, minimum=1)
-    seed = _field(body, "seed", int, None, minimum=0, maximum=2**63 - 1)
-    stream = _field(body, "stream", bool, False)
-    stream_options = _field(body, "stream_options", dict, {})
-    include_usage = _field(stream_options, "include_usage", bool, False)
-    echo = False if chat else _field(body, "echo", bool, False)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise bad(f"'stop' must be a string or an array of strings, got {json.dumps(stop)[:80]}", "stop")
-    stop = tuple(s for s in stop or () if s)
+    stop = request.stop or ()
 
     for ids in prompts:
         if not ids:
@@ -263,16 +345,17 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
                       "messages" if chat else "prompt", "context_length_exceeded")
 
     overrides = {}
-    if temperature is not None:
-        overrides.update(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0)
-    for name, value in (("top_p", top_p), ("min_p", min_p), ("repetition_penalty", repetition_penalty),
-                        ("prompt_lookup_num_tokens", lookup)):
-        if value is not None:
-            overrides[name] = value
-    if top_k is not None:
-        overrides["top_k"] = top_k if top_k > 0 else None  # vLLM's -1 (and 0): no top-k
+    if request.temperature is not None:
+        overrides.update(do_sample=request.temperature > 0,
+                         temperature=request.temperature if request.temperature > 0 else 1.0)
+    for name in ("top_p", "min_p", "repetition_penalty", "prompt_lookup_num_tokens"):
+        if getattr(request, name) is not None:
+            overrides[name] = getattr(request, name)
+    if request.top_k is not None:
+        overrides["top_k"] = request.top_k if request.top_k > 0 else None  # vLLM's -1 (and 0): no top-k
     if stop:
         overrides["stop_strings"] = stop
+    seed = request.seed
     choices = []
     for p, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (max_seq_len - len(ids) if chat else COMPLETIONS_MAX_TOKENS)
@@ -287,7 +370,9 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
                 name = str(err).split(" ", 1)[0]
                 raise bad(str(err), name if name in body else None) from None
             choices.append((p, options))
-    return Parsed(prompts, texts, choices, stop, stream, include_usage, echo)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return Parsed(prompts, texts, choices, stop, bool(request.stream), include_usage,
+                  bool(not chat and request.echo))
 
 
 class TextStream:
@@ -336,41 +421,119 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+class _Out(BaseModel):
+    """A response object; dumped with ``exclude_unset`` so that a field is sent exactly when it is
+    given (OpenAI sends ``usage`` in stream chunks only when asked, and deltas without content)."""
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class AssistantMessage(_Out):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class Delta(_Out):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: Delta
+    logprobs: None
+    finish_reason: str | None
+
+
+class _Response(_Out):
+    id: str
+    object: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
+class Completion(_Response):
+    """A ``text_completion``: the answer of /v1/completions, whole or one stream chunk."""
+
+    choices: list[CompletionChoice]
+
+
+class ChatCompletion(_Response):
+    """A ``chat.completion``: the whole answer of /v1/chat/completions."""
+
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    """A ``chat.completion.chunk``: one event of a streamed /v1/chat/completions answer."""
+
+    choices: list[ChatChunkChoice]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 def response(chat: bool, request_id: str, model: str, created: int, texts: list[str], reasons: list[str],
-             usage_: dict) -> dict:
-    """The whole answer of a request that did not stream."""
+             usage_: Usage) -> dict:
+    """The whole answer of a request that did not stream, as JSON-ready dicts."""
+    pairs = enumerate(zip(texts, reasons))
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        out = ChatCompletion(id=request_id, object="chat.completion", created=created, model=model, usage=usage_,
+                             choices=[ChatChoice(index=i, message=AssistantMessage(role="assistant", content=t),
+                                                 logprobs=None, finish_reason=r) for i, (t, r) in pairs])
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage_}
+        out = Completion(id=request_id, object="text_completion", created=created, model=model, usage=usage_,
+                         choices=[CompletionChoice(index=i, text=t, logprobs=None, finish_reason=r)
+                                  for i, (t, r) in pairs])
+    return out.model_dump(exclude_unset=True)
 
 
 def chunk(chat: bool, request_id: str, model: str, created: int, index: int, *, text: str | None = None,
           role: bool = False, finish_reason: str | None = None, include_usage: bool = False) -> dict:
     """One streamed chunk of choice ``index`` (OpenAI's ``chat.completion.chunk`` or a
-    ``text_completion`` chunk)."""
+    ``text_completion`` chunk), as JSON-ready dicts; ``"usage": null`` with ``include_usage``."""
+    extra = {"usage": None} if include_usage else {}
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        delta = Delta(role="assistant", content="") if role else (Delta(content=text) if text else Delta())
+        out = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
+                                  choices=[ChatChunkChoice(index=index, delta=delta, logprobs=None,
+                                                           finish_reason=finish_reason)], **extra)
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    out = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-           "model": model, "choices": [choice]}
-    if include_usage:
-        out["usage"] = None
-    return out
+        out = Completion(id=request_id, object="text_completion", created=created, model=model,
+                         choices=[CompletionChoice(index=index, text=text or "", logprobs=None,
+                                                   finish_reason=finish_reason)], **extra)
+    return out.model_dump(exclude_unset=True)
 
 
-def usage_chunk(chat: bool, request_id: str, model: str, created: int, usage_: dict) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage_}
+def usage_chunk(chat: bool, request_id: str, model: str, created: int, usage_: Usage) -> dict:
+    """The last chunk of a stream that asked for usage: no choices, the usage."""
+    cls = ChatCompletionChunk if chat else Completion
+    return cls(id=request_id, object="chat.completion.chunk" if chat else "text_completion", created=created,
+               model=model, choices=[], usage=usage_).model_dump(exclude_unset=True)

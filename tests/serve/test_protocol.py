@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llm import GenerationConfig
-from llm.formats.registry import load_tokenizer
+from llm.data.tokenizer import load_tokenizer
 from llm.data import build_char_tokenizer
 from llm.serve.protocol import APIError, TextStream, parse_request
 
@@ -44,7 +44,7 @@ def test_an_incomplete_utf8_character_waits_for_its_last_byte():
 
 
 def _has_smollm2() -> bool:
-    from llm.formats.registry import PRETRAINED, REPO_ROOT
+    from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 
     return (REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]).is_file()
 
@@ -69,28 +69,56 @@ def test_chat_without_max_tokens_gets_what_the_context_leaves(chars):
     ({"prompt": "ab", "min_p": 2}, "min_p"),
     ({"prompt": "ab", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "ab", "seed": 1.5}, "seed"),
-    ({"prompt": "ab", "stream_options": {"include_usage": "yes"}}, "include_usage"),
+    ({"prompt": "ab", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": "ab", "temperature": True}, "temperature"),
+    ({"prompt": "ab", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "ab", "top_p": float("nan")}, "top_p"),
+    ({"prompt": "ab", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "ab", "logprobs": True}, "logprobs"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [["a"]]}, "prompt"),
+    ({"prompt": [[1, 99]]}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
 ])
 def test_out_of_range_fields_name_themselves(chars, body, param):
     with pytest.raises(APIError) as err:
         parse(body, chars)
     assert err.value.status == 400 and err.value.param == param
+    assert param in err.value.message
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "ab", "temperature": -1}, "'temperature' must be greater than or equal to 0, got -1"),
+    ({"prompt": "ab", "n": True}, "'n' must be an integer, got true"),
+    ({"prompt": "ab", "stream_options": 3}, "'stream_options' must be an object, got 3"),
+    ({}, "'prompt' is required"),
+])
+def test_errors_say_what_is_allowed_and_what_came(chars, body, message):
+    with pytest.raises(APIError, match=re.escape(message)):
+        parse(body, chars)
+
+
+def test_null_fields_and_neutral_values_of_unserved_fields_pass(chars):
+    parsed = parse({"prompt": "ab", "n": None, "temperature": None, "stop": None, "logprobs": False,
+                    "presence_penalty": 0, "best_of": 1, "response_format": {"type": "text"}, "unknown": 1}, chars)
+    assert len(parsed.choices) == 1 and parsed.stop == () and parsed.choices[0][1].do_sample
 
 
 @pytest.mark.parametrize("message, match", [
-    ({"role": "wizard", "content": "hi"}, "role must be one of system, developer, user, assistant, got 'wizard'"),
+    ({"role": "wizard", "content": "hi"}, "'messages[1].role' must be one of system, developer, user, assistant, "
+                                          "got 'wizard'"),
     ({"role": "tool", "content": "42", "tool_call_id": "x"}, "tools are not served"),
+    ({"content": "hi"}, "'messages[1].role' is required"),
+    ({"role": "user", "content": [{"type": "image_url"}]}, "'messages[1].content' must be a string or text parts"),
     ({"role": "user"}, "messages[1] has no 'content'"),
     ({"role": "assistant", "content": None}, "messages[1] has no 'content'"),
+    ("hi", "'messages[1]' must be an object"),
 ])
 def test_chat_messages_need_a_served_role_and_content(chars, message, match):
     chars.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(APIError, match=re.escape(match)) as err:
         parse({"messages": [{"role": "user", "content": "ab"}, message]}, chars, chat=True)
-    assert err.value.status == 400 and err.value.param == "messages"
+    assert err.value.status == 400 and err.value.param.startswith("messages[1]")
 
 
 def test_developer_messages_reach_the_template_as_system_messages(chars):
