@@ -14,7 +14,8 @@ import tempfile
 
 import torch
 
-from llm.formats.registry import load_tokenizer, resolve
+from llm.data.tokenizer import load_tokenizer
+from llm.utils.pretrained import resolve
 from benchmarks.generate import _timed_interleaved, decode_rounds, versus
 from benchmarks.generate_fast import (_generate, bits_per_byte, clocked, eval_blocks, llama_nll, load_ours, ours_nll,
                                        prompt_ids)

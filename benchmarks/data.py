@@ -208,9 +208,9 @@ def backend_tokenizer_file(spec: str, path: Path) -> Path:
     """Write the backend ``tokenizer.json`` that preparation encodes with (no padding or truncation)."""
     from tokenizers import Tokenizer
 
-    from llm.data.tokenizers import load_tokenizer_spec
+    from llm.data.tokenizer import load_tokenizer
 
-    backend = Tokenizer.from_str(load_tokenizer_spec(spec).backend_tokenizer.to_str())
+    backend = Tokenizer.from_str(load_tokenizer(spec).backend_tokenizer.to_str())
     backend.no_padding()
     backend.no_truncation()
     backend.save(str(path))
@@ -472,7 +472,7 @@ def _tokenizer_spec(given: str | None, corpus: Corpus, work: Path) -> str:
         return given
     if (DEFAULT_TOKENIZER / "tokenizer.json").is_file():
         return str(DEFAULT_TOKENIZER)
-    from llm.data.tokenizers import save_prepared_tokenizer, train_tokenizer
+    from llm.data.tokenizer import save_prepared_tokenizer, train_tokenizer
 
     def slice_texts(limit: int = 2 * MB) -> Iterator[str]:
         seen = 0

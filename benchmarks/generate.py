@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm.cache import StaticCache
-from llm.formats.registry import load_tokenizer
+from llm.data.tokenizer import load_tokenizer
 from llm.data import load_corpus
 from llm.generation.generate import generate
 from llm.layers.linear import linear

@@ -31,7 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llm.formats.registry import load_tokenizer, resolve
+from llm.data.tokenizer import load_tokenizer
+from llm.utils.pretrained import resolve
 from llm.data import load_corpus
 from benchmarks.generate import TokenClock, _timed_interleaved, decode_rounds, hf_llama, markdown, versus
 from llm.generation.generate import generate

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from llm.formats.registry import load_tokenizer, resolve
+from llm.data.tokenizer import load_tokenizer
+from llm.utils.pretrained import resolve
 from llm.model import MosaicGPT
 
 ROOT = Path(__file__).resolve().parents[1]

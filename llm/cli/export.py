@@ -45,7 +45,7 @@ def _load(args):
         return composer_model.model.eval(), data.tokenizer
     if args.config:
         raise ValueError(f"--config is for a training checkpoint (a .pt file); {args.model} is not one")
-    from llm.formats.registry import load_tokenizer
+    from llm.data.tokenizer import load_tokenizer
     from llm.model import MosaicGPT
 
     # an export writes float weights (quantized again by --gguf-type): a .gguf file is dequantized

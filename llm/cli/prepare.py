@@ -20,7 +20,7 @@ from llm.data.prepare import (
     prepare,
 )
 from llm.data.sources import ENCODING_ERRORS, FORMATS, SPLIT_MODES, DataError
-from llm.data.tokenizers import SPEC_FORMS
+from llm.data.tokenizer import SPEC_FORMS
 
 PROG = "prepare_data.py"
 

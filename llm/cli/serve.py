@@ -43,7 +43,8 @@ def loader(args):
     def load():
         import torch
 
-        from llm.formats.registry import load_generation_config, load_tokenizer
+        from llm.generation.config import load_generation_config
+        from llm.data.tokenizer import load_tokenizer
         from llm.generation.config import GenerationConfig
         from llm.model import MosaicGPT
         from llm.serve.engine import Engine
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     does not exist, 1 if it cannot listen or the model fails to load)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from llm.formats.registry import PRETRAINED
+    from llm.utils.pretrained import PRETRAINED
 
     if not Path(args.model).exists() and args.model not in PRETRAINED:
         parser.error(f"--model {args.model}: no such folder or .gguf file, and not a registered name "

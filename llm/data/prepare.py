@@ -41,11 +41,12 @@ from llm.data.sources import (
     iter_documents,
     resolve_inputs,
 )
-from llm.data.tokenizers import (
+from llm.data.tokenizer import (
     INFO_FILE,
     BatchEncoder,
+    eos_token_id,
     load_prepared_tokenizer,
-    load_tokenizer_spec,
+    load_tokenizer,
     save_prepared_tokenizer,
     tokenizer_hash,
     train_tokenizer,
@@ -136,7 +137,7 @@ def prepare(
     ``seed`` (0: no validation split). Each split records ``documents``, ``tokens`` (with the eos
     separators, before the tail is dropped), ``bytes`` (UTF-8 of the texts), ``rows``,
     ``dropped_tokens``, ``replacements`` (U+FFFD decodes) and ``seconds``; bits per byte is
-    nats/token * tokens/bytes / ln 2. ``tokenizer_spec``: see :mod:`llm.data.tokenizers`; a trained
+    nats/token * tokens/bytes / ln 2. ``tokenizer_spec``: see :mod:`llm.data.tokenizer`; a trained
     one sees only the train split. ``workers`` threads (default: the CPUs), each encoding a batch
     of documents on one CPU, tokenize in order, so the shards are the same for any number. Other
     options: see :func:`llm.data.sources.resolve_inputs` and :func:`llm.data.sources.read_documents`.
@@ -165,7 +166,9 @@ def prepare(
     }
     all_sources = train_sources + (validation_sources or [])
     trained = trained_spec(tokenizer_spec) is not None
-    tokenizer = None if trained else load_tokenizer_spec(tokenizer_spec)
+    tokenizer = None if trained else load_tokenizer(tokenizer_spec)
+    if tokenizer is not None:
+        eos_token_id(tokenizer, tokenizer_spec)  # every document ends with it
     run = {"options": options, "inputs": input_fingerprint(all_sources),
            "tokenizer_hash": None if trained else tokenizer_hash(tokenizer)}
     done = _claim(out, run, overwrite, [s.path.resolve() for s in all_sources])

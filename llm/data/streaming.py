@@ -152,7 +152,7 @@ def resolve_sources(dataset_cfg: Mapping[str, Any], default_split: str) -> list[
 
 def data_tokenizer(sources: list[PreparedSplit]):
     """``(tokenizer, info)`` saved with the sources' shards (``info``: hash, spec, vocab_size, eos_token_id)."""
-    from llm.data.tokenizers import load_prepared_tokenizer
+    from llm.data.tokenizer import load_prepared_tokenizer
 
     return load_prepared_tokenizer(Path(sources[0].local) / TOKENIZER_DIR)
 
@@ -169,7 +169,7 @@ def check_tokenizer(sources: list[PreparedSplit], tokenizer, *, vocab_size: int 
     Raises:
         PreparedDataError: naming both tokenizers (spec and hash) or both sizes.
     """
-    from llm.data.tokenizers import tokenizer_hash
+    from llm.data.tokenizer import tokenizer_hash
 
     info = sources[0].manifest["tokenizer"]
     if tokenizer is not None and (found := tokenizer_hash(tokenizer)) != info["hash"]:

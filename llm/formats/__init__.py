@@ -1,9 +1,11 @@
 """Model formats in and out of the package: transformers (:mod:`llm.formats.transformers`: GPT-2 and
 MPT weights in; Llama, GPT-2 and MPT folders out), GGUF for llama.cpp (:mod:`llm.formats.gguf`:
-reader and writer), and the registered pretrained names (:mod:`llm.formats.registry`)."""
+reader and writer). Registered pretrained names live in :mod:`llm.utils.pretrained`, tokenizers in
+:mod:`llm.data.tokenizer`; both are re-exported here."""
 
 from llm.formats.gguf import gguf_config, gguf_tokenizer, load_gguf, read_gguf, save_gguf
-from llm.formats.registry import PRETRAINED, load_tokenizer
+from llm.utils.pretrained import PRETRAINED
+from llm.data.tokenizer import load_tokenizer
 from llm.formats.transformers import (from_hf_gpt2, from_hf_mpt, from_transformers, gpt2_config, mpt_config,
                                       save_transformers)
 from llm.bundle import LOADERS

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from llama_cpp import Llama
 
-    from llm.formats.registry import load_tokenizer
+    from llm.data.tokenizer import load_tokenizer
     from llm.model import MosaicGPT
 
     model, tokenizer = MosaicGPT.from_pretrained(args.gguf), load_tokenizer(args.gguf)

@@ -58,8 +58,7 @@ def run_data(cfg: Mapping[str, Any]) -> RunData:
         FileNotFoundError, ValueError: for a ``load_pretrained`` or ``tokenizer.name`` that cannot
             be loaded.
     """
-    from llm.formats.registry import load_tokenizer
-    from llm.data.tokenizers import load_tokenizer_spec
+    from llm.data.tokenizer import load_tokenizer
 
     train = _text_sources(cfg.get("train_loader"), "train")
     evals = _text_sources(cfg.get("eval_loader"), "validation")
@@ -67,7 +66,7 @@ def run_data(cfg: Mapping[str, Any]) -> RunData:
     if cfg.get("load_pretrained"):
         tokenizer, what = load_tokenizer(cfg["load_pretrained"]), f"the tokenizer of {cfg['load_pretrained']}"
     elif (cfg.get("tokenizer") or {}).get("name"):
-        tokenizer, what = load_tokenizer_spec(cfg["tokenizer"]["name"]), f"tokenizer.name {cfg['tokenizer']['name']}"
+        tokenizer, what = load_tokenizer(cfg["tokenizer"]["name"]), f"tokenizer.name {cfg['tokenizer']['name']}"
     elif sources:
         tokenizer, _ = data_tokenizer(sources)
         what = f"the tokenizer of {sources[0].local}"
@@ -216,7 +215,7 @@ def load_pretrained(name_or_path: str | os.PathLike):
     Raises:
         FileNotFoundError, ValueError: see :meth:`llm.model.MosaicGPT.from_pretrained`.
     """
-    from llm.formats.registry import load_tokenizer
+    from llm.data.tokenizer import load_tokenizer
     from llm.model import MosaicGPT
     from llm.train.composer_model import ComposerMosaicGPT
 

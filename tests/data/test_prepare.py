@@ -20,11 +20,11 @@ from transformers import PreTrainedTokenizerFast
 import llm.data.prepare as prepare_module
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.cli.prepare import main
-from llm.formats.registry import PRETRAINED, REPO_ROOT
+from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.prepare import in_validation, load_manifest, prepare
 from llm.data.sources import DataError
-from llm.data.tokenizers import tokenizer_hash, train_tokenizer
+from llm.data.tokenizer import tokenizer_hash, train_tokenizer
 
 SEQ_LEN = 32
 FAST = dict(seq_len=SEQ_LEN, workers=1, progress=False)

@@ -22,7 +22,7 @@ from llm.data.streaming import (
     data_tokenizer,
     resolve_sources,
 )
-from llm.data.tokenizers import load_prepared_tokenizer
+from llm.data.tokenizer import load_prepared_tokenizer
 
 ROW = 64
 

@@ -7,14 +7,14 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.formats.registry import PRETRAINED, REPO_ROOT
+from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, build_char_tokenizer, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.sources import DataError
-from llm.data.tokenizers import (
+from llm.data.tokenizer import (
     INFO_FILE,
     eos_token_id,
     load_prepared_tokenizer,
-    load_tokenizer_spec,
+    load_tokenizer,
     save_prepared_tokenizer,
     tokenizer_hash,
     train_tokenizer,
@@ -50,7 +50,7 @@ def test_file_folder_and_bundle_specs(bpe, text, tmp_path):
     config = MosaicGPTConfig(vocab_size=len(bpe), max_seq_len=32, d_model=16, n_heads=2, n_layers=1)
     MosaicGPT(config).save_pretrained(tmp_path / "bundle", tokenizer=bpe)
     for spec in ("tokenizer.json", "folder", "bundle"):
-        loaded = load_tokenizer_spec(str(tmp_path / spec))
+        loaded = load_tokenizer(str(tmp_path / spec))
         # A bare tokenizer.json names no special tokens: eos is found, bos and pad stay unset.
         assert_same_tokenizer(loaded, bpe, text[:3000], same_specials=spec != "tokenizer.json")
         assert loaded.eos_token == EOS_TOKEN
@@ -59,8 +59,8 @@ def test_file_folder_and_bundle_specs(bpe, text, tmp_path):
 def test_registered_and_gguf_specs(text, tmp_path):
     if not GGUF.is_file():
         pytest.skip(f"{GGUF} is missing (make data)")
-    registered = load_tokenizer_spec("smollm2-135m-instruct")
-    from_file = load_tokenizer_spec(str(GGUF))
+    registered = load_tokenizer("smollm2-135m-instruct")
+    from_file = load_tokenizer(str(GGUF))
     assert_same_tokenizer(registered, from_file, text[:3000])
     assert registered.eos_token_id is not None and len(registered) == 49152
     info = save_prepared_tokenizer(registered, tmp_path / "tok", "smollm2-135m-instruct")
@@ -102,7 +102,7 @@ def test_saved_tokenizer_keeps_its_hash(spec, text, tmp_path):
     assert loaded_info == info
     assert_same_tokenizer(loaded, tokenizer, text[:3000])
     # Loading the folder as a spec, then saving it again, keeps the hash.
-    again = save_prepared_tokenizer(load_tokenizer_spec(str(tmp_path / "tok")), tmp_path / "again", "x")
+    again = save_prepared_tokenizer(load_tokenizer(str(tmp_path / "tok")), tmp_path / "again", "x")
     assert again["hash"] == info["hash"]
     # A tokenizer changed after preparation is refused.
     definition = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
@@ -114,25 +114,25 @@ def test_saved_tokenizer_keeps_its_hash(spec, text, tmp_path):
 
 def test_bad_specs(tmp_path):
     message = (r"cannot load tokenizer 'no-such-model': no such file or folder, and not a registered name; "
-               r"--tokenizer takes a tokenizer\.json file, .*bpe:VOCAB_SIZE or char")
+               r"a tokenizer is a tokenizer\.json file, .*bpe:VOCAB_SIZE or char to train one")
     with pytest.raises(DataError, match=message):
-        load_tokenizer_spec("no-such-model")
+        load_tokenizer("no-such-model")
     for spec in ("bpe", "bpe:100", "bpe:lots"):
         with pytest.raises(DataError, match=rf"tokenizer spec '{spec}': bpe needs an integer vocabulary size of at "
                                             "least 257"):
             trained_spec(spec)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="the folder holds no tokenizer.json or tokenizer_config.json"):
-        load_tokenizer_spec(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match=r"the folder holds no tokenizer \(tokenizer.json or tokenizer_config.json\)"):
+        load_tokenizer(str(tmp_path / "empty"))
     (tmp_path / "broken.json").write_text("{not a tokenizer")
-    with pytest.raises(DataError, match=r"cannot load tokenizer '.*broken\.json' \(Exception: .*--tokenizer takes"):
-        load_tokenizer_spec(str(tmp_path / "broken.json"))
+    with pytest.raises(DataError, match=r"cannot load tokenizer '.*broken\.json' \(Exception: .*a tokenizer is"):
+        load_tokenizer(str(tmp_path / "broken.json"))
     # A tokenizer without an end-of-text token cannot separate documents.
     words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "noeos.json"))
     with pytest.raises(DataError, match=r"noeos\.json' has no end-of-text token"):
-        load_tokenizer_spec(str(tmp_path / "noeos.json"))
+        load_tokenizer(str(tmp_path / "noeos.json"))
     with pytest.raises(DataError, match=f"no {INFO_FILE} in"):
         load_prepared_tokenizer(tmp_path / "empty")
     with pytest.raises(DataError, match="names a tokenizer to load, not one to train"):

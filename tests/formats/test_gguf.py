@@ -14,7 +14,7 @@ from llm import DynamicCache, MosaicGPT
 from llm.formats import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
 from llm.formats.gguf import reader as gguf_module
 from llm.utils.gguf import _reader_class
-from llm.formats.registry import REPO_ROOT
+from llm.utils.pretrained import REPO_ROOT
 
 torch.set_num_threads(1)
 
@@ -349,6 +349,21 @@ def test_tiny_untied_gqa_model_of_mixed_tensor_types_equals_transformers(tmp_pat
     monkeypatch.setattr(gguf_module, "_unpermute", lambda weight, n_heads: weight)
     wrong = load_gguf(path, attn_impl="torch", quantization="none")(ids, attention_mask=mask).logits
     assert (real(mask, wrong) - real(mask, expected)).abs().max() > 0.1
+
+
+def test_from_pretrained_finds_the_gguf_loader_whatever_was_imported(tmp_path):
+    """The formats layer registers its loaders in llm.bundle.LOADERS when any part of llm is imported,
+    so a process that imports only llm.model loads a .gguf file (a fresh interpreter: this one has
+    imported everything)."""
+    import subprocess
+    import sys
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf_llama())
+    code = ("from llm.model import MosaicGPT; import sys; "
+            "print(MosaicGPT.from_pretrained(sys.argv[1], quantization='none').config.n_layers)")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
+    assert done.returncode == 0 and done.stdout.split() == ["2"], done.stderr[-2000:]
 
 
 def test_unsupported_architecture_is_named(tmp_path):

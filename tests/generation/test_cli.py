@@ -186,7 +186,7 @@ def test_the_script_exits_2_with_one_line(bundle, argv, message):
     import subprocess
     import sys
 
-    from llm.formats.registry import REPO_ROOT
+    from llm.utils.pretrained import REPO_ROOT
 
     path, _, _ = bundle
     done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--model", str(path),

@@ -12,7 +12,7 @@ import torch
 
 import llm
 from llm import GenerationConfig, MosaicGPT
-from llm.formats.registry import GENERATION_DEFAULTS, load_generation_config
+from llm.generation.config import GENERATION_DEFAULTS, load_generation_config
 from tests.conftest import tiny_model
 
 FLOATS = ["temperature", "top_p", "min_p", "repetition_penalty"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llm.formats.registry import PRETRAINED, REPO_ROOT
+from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import markdown_to_text, play_paths
 from llm.data.prepare import prepare
 from llm.train.evaluate import evaluate
