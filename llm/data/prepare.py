@@ -175,52 +175,12 @@ def prepare(
     if done is not None:
         return done
 
-    held_out = out / f"{_TMP_PREFIX}held-out.jsonl"  # the train pass's validation documents
-    seen = [0]  # documents read by the last pass over the inputs
-
-    def documents(split: str, spool: bool = False) -> Iterator[Document]:
-        if validation_sources is None and split == "validation" and held_out.is_file():
-            with open(held_out, encoding="utf-8") as f:
-                yield from (Document(*json.loads(line)) for line in f)
-            return
-        seen[0] = 0
-        sources = validation_sources if split == "validation" and validation_sources is not None else train_sources
-        # Spooling the held-out documents to disk saves the validation pass a second read of the inputs.
-        with open(held_out, "w", encoding="utf-8") if spool else contextlib.nullcontext() as f:
-            for doc in iter_documents(sources, **read):
-                seen[0] += 1
-                if validation_sources is None and fraction > 0 and in_validation(doc.identity, seed, fraction):
-                    if split == "validation":
-                        yield doc
-                    elif f is not None:
-                        f.write(json.dumps([doc.text, doc.identity, doc.replacements]) + "\n")
-                elif split == "train" or validation_sources is not None:
-                    yield doc
-
-    def no_documents(split: str, seen: int) -> DataError:
-        if seen == 0:
-            which = "--validation inputs" if split == "validation" and validation_sources is not None else "inputs"
-            return DataError(f"no documents in the {which}: every file is empty or holds only whitespace")
-        return DataError(f"the {split} split gets none of the {seen} documents with --validation-fraction "
-                         f"{fraction} and --seed {seed}: split the text into more documents (--split-documents "
-                         "blank-line or line), or change --validation-fraction")
-
-    tokenizer_dir = out / "tokenizer"
-    if not (tokenizer_dir / INFO_FILE).is_file():
-        _remove(tokenizer_dir)
-        if trained:
-            trained_on = [0]
-            with _bar("tokenizer", progress) as bar:
-                tokenizer = train_tokenizer(tokenizer_spec, _texts(documents("train"), bar, trained_on))
-            if trained_on[0] == 0:
-                raise no_documents("train", seen[0])
-        _publish(out, "tokenizer", lambda tmp: save_prepared_tokenizer(tokenizer, tmp, tokenizer_spec))
-    # Tokenize with what the folder holds, so the data is exactly that of `--tokenizer DIR/tokenizer`.
-    tokenizer, info = load_prepared_tokenizer(tokenizer_dir)
+    docs = _Documents(train_sources, validation_sources, read, fraction, seed, out / f"{_TMP_PREFIX}held-out.jsonl")
+    tokenizer, info = _tokenizer_folder(out, tokenizer, tokenizer_spec, docs, progress)
     dtype = token_dtype(tokenizer)
 
     stats = {}
-    for split in ["train"] + (["validation"] if validation_sources is not None or fraction > 0 else []):
+    for split in docs.splits:
         finished = _read_json(out / split / SPLIT_FILE)
         if finished is not None and finished.get("tokenizer_hash") == info["hash"]:
             logger.info(f"keeping the finished {split} split in {out / split}")
@@ -229,12 +189,11 @@ def prepare(
         _remove(out / split)
 
         def write(tmp: Path, split: str = split) -> dict:
-            spool = split == "train" and validation_sources is None and fraction > 0
-            counts = _write_split(split, documents(split, spool), tmp, tokenizer=tokenizer, seq_len=seq_len,
-                                  dtype=dtype, shard_size=shard_size, workers=workers or _cpu_count(),
-                                  progress=progress)
+            counts = _write_split(split, docs(split, spool=split == "train"), tmp, tokenizer=tokenizer,
+                                  seq_len=seq_len, dtype=dtype, shard_size=shard_size,
+                                  workers=workers or _cpu_count(), progress=progress)
             if counts["documents"] == 0:
-                raise no_documents(split, seen[0])
+                raise docs.none_error(split)
             if counts["rows"] == 0:
                 raise DataError(f"the {split} split has {counts['tokens']} tokens, fewer than one row of --seq-len "
                                 f"{seq_len}: use a smaller --seq-len or more data")
@@ -242,13 +201,75 @@ def prepare(
             return counts
 
         stats[split] = _publish(out, split, write)
-    _remove(held_out)
+    _remove(docs.held_out)
 
     manifest = {"format": FORMAT, "seq_len": seq_len, "column": COLUMN, "dtype": dtype,
                 "tokenizer": {"path": "tokenizer", **info}, "splits": stats, "options": options,
                 "inputs": run["inputs"]}
     atomic_write(out / MANIFEST_FILE, lambda tmp: _write_json(Path(tmp), manifest))
     return manifest
+
+
+class _Documents:
+    """The documents of each split, read from the inputs: the ``validation`` inputs, or those of
+    the train inputs that :func:`in_validation` sends there.
+
+    A train pass with a validation fraction spools the held-out documents to ``held_out`` (JSON
+    lines), so that the validation pass does not read the inputs again. ``seen`` counts the
+    documents the last pass read.
+    """
+
+    def __init__(self, train_sources, validation_sources, read: dict, fraction: float, seed: int, held_out: Path):
+        self.train_sources, self.validation_sources = train_sources, validation_sources
+        self.read, self.fraction, self.seed, self.held_out = read, fraction, seed, held_out
+        self.seen = 0
+        self.separate = validation_sources is not None
+        self.splits = ["train"] + (["validation"] if self.separate or fraction > 0 else [])
+
+    def __call__(self, split: str, spool: bool = False) -> Iterator[Document]:
+        if not self.separate and split == "validation" and self.held_out.is_file():
+            with open(self.held_out, encoding="utf-8") as f:
+                yield from (Document(*json.loads(line)) for line in f)
+            return
+        self.seen = 0
+        spool = spool and not self.separate and self.fraction > 0
+        sources = self.validation_sources if split == "validation" and self.separate else self.train_sources
+        with open(self.held_out, "w", encoding="utf-8") if spool else contextlib.nullcontext() as f:
+            for doc in iter_documents(sources, **self.read):
+                self.seen += 1
+                if not self.separate and self.fraction > 0 and in_validation(doc.identity, self.seed, self.fraction):
+                    if split == "validation":
+                        yield doc
+                    elif f is not None:
+                        f.write(json.dumps([doc.text, doc.identity, doc.replacements]) + "\n")
+                elif split == "train" or self.separate:
+                    yield doc
+
+    def none_error(self, split: str) -> DataError:
+        """The error for a split that got no document in the last pass."""
+        if self.seen == 0:
+            which = "--validation inputs" if split == "validation" and self.separate else "inputs"
+            return DataError(f"no documents in the {which}: every file is empty or holds only whitespace")
+        return DataError(f"the {split} split gets none of the {self.seen} documents with --validation-fraction "
+                         f"{self.fraction} and --seed {self.seed}: split the text into more documents "
+                         "(--split-documents blank-line or line), or change --validation-fraction")
+
+
+def _tokenizer_folder(out: Path, tokenizer, spec: str, docs: _Documents, progress: bool):
+    """``out/tokenizer`` written unless finished (``tokenizer``, or one trained on the train split
+    when it is None), and read back with its info: the data is then exactly that of
+    ``--tokenizer DIR/tokenizer``."""
+    folder = out / "tokenizer"
+    if not (folder / INFO_FILE).is_file():
+        _remove(folder)
+        if tokenizer is None:
+            trained_on = [0]
+            with _bar("tokenizer", progress) as bar:
+                tokenizer = train_tokenizer(spec, _texts(docs("train"), bar, trained_on))
+            if trained_on[0] == 0:
+                raise docs.none_error("train")
+        _publish(out, "tokenizer", lambda tmp: save_prepared_tokenizer(tokenizer, tmp, spec))
+    return load_prepared_tokenizer(folder)
 
 
 def _check_options(seq_len, fraction, workers, shard_size, split_documents, encoding_errors) -> None:

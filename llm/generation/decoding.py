@@ -110,26 +110,7 @@ class Decoding:
         self.max_new_tokens = max_new_tokens
 
         cache = Cache.from_legacy(past_key_values) if isinstance(past_key_values, (tuple, list)) else past_key_values
-        self.cache = cache if cache is not None else DynamicCache()
-        self.cached = self.cache.get_seq_length()
-        if self.cached >= self.prompt_len:
-            raise ValueError(
-                f"past_key_values already holds {self.cached} positions but the prompt has {self.prompt_len}: "
-                "pass the whole sequence so far (the cache must hold a strict prefix of it)"
-            )
-        needed = self.prompt_len + max_new_tokens - 1  # the last new token is never fed back
-        if config.learned_pos_emb and needed > config.max_seq_len:
-            raise ValueError(
-                f"prompt of {self.prompt_len} tokens + max_new_tokens={max_new_tokens} needs {needed} positions, "
-                f"more than max_seq_len={config.max_seq_len}; shorten the prompt or max_new_tokens"
-            )
-        limit = self.cache.get_max_length()
-        if limit is not None and needed > limit:
-            raise ValueError(
-                f"prompt of {self.prompt_len} tokens + max_new_tokens={max_new_tokens} needs {needed} cache "
-                f"positions, more than the StaticCache's max_cache_len={limit}"
-            )
-        self.cache.validate(config, self.batch, self.prompt_len - self.cached, model.dtype)
+        needed = self._open_cache(cache)
 
         if attention_mask is None:
             attention_mask = torch.ones(self.batch, self.prompt_len, dtype=torch.bool, device=device)
@@ -150,15 +131,7 @@ class Decoding:
             self.static = StaticDecoder(model, self.mask, writes, cache, compile=True, draft_tokens=draft)
             self.cache = self.static.cache
 
-        self.eos = None
-        if options.eos_token_id is not None:
-            ids = [options.eos_token_id] if isinstance(options.eos_token_id, int) else list(options.eos_token_id)
-            self.eos = torch.tensor(ids, dtype=torch.long, device=device)
-        pad = options.pad_token_id
-        self.pad = pad if pad is not None else (int(self.eos[0]) if self.eos is not None else 0)
-        if self.pad >= config.vocab_size:  # finished rows feed it to the model
-            which = "pad_token_id" if pad is not None else "pad_token_id (by default the first eos_token_id)"
-            raise ValueError(f"{which} is {self.pad}, outside the vocabulary of {config.vocab_size} tokens")
+        self._eos_and_pad(options)
 
         self.prompt = prompt.to(device)
         # token history per row, for the repetition penalty and for reference decoding
@@ -173,6 +146,46 @@ class Decoding:
         self.stats = dict(prefill_tokens=int(self.mask[:, self.cached:].sum()), new_tokens=0, forward_passes=0,
                           proposed_tokens=0, accepted_tokens=0, draft_forward_passes=0)
         self.prefill_s = self.decode_s = 0.0
+
+    def _open_cache(self, cache: Cache | None) -> int:
+        """Take ``cache`` (a new DynamicCache for None), checked to hold a strict prefix of the
+        prompt and to have room for the new tokens; returns the positions the call writes."""
+        config = self.model.config
+        self.cache = cache if cache is not None else DynamicCache()
+        self.cached = self.cache.get_seq_length()
+        if self.cached >= self.prompt_len:
+            raise ValueError(
+                f"past_key_values already holds {self.cached} positions but the prompt has {self.prompt_len}: "
+                "pass the whole sequence so far (the cache must hold a strict prefix of it)"
+            )
+        needed = self.prompt_len + self.max_new_tokens - 1  # the last new token is never fed back
+        if config.learned_pos_emb and needed > config.max_seq_len:
+            raise ValueError(
+                f"prompt of {self.prompt_len} tokens + max_new_tokens={self.max_new_tokens} needs {needed} "
+                f"positions, more than max_seq_len={config.max_seq_len}; shorten the prompt or max_new_tokens"
+            )
+        limit = self.cache.get_max_length()
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"prompt of {self.prompt_len} tokens + max_new_tokens={self.max_new_tokens} needs {needed} cache "
+                f"positions, more than the StaticCache's max_cache_len={limit}"
+            )
+        self.cache.validate(config, self.batch, self.prompt_len - self.cached, self.model.dtype)
+        return needed
+
+    def _eos_and_pad(self, options: GenerationConfig) -> None:
+        """The eos ids as a tensor (or None) and the id finished rows feed the model: ``pad_token_id``,
+        by default the first eos id."""
+        self.eos = None
+        if options.eos_token_id is not None:
+            ids = [options.eos_token_id] if isinstance(options.eos_token_id, int) else list(options.eos_token_id)
+            self.eos = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        pad = options.pad_token_id
+        self.pad = pad if pad is not None else (int(self.eos[0]) if self.eos is not None else 0)
+        vocab_size = self.model.config.vocab_size
+        if self.pad >= vocab_size:  # finished rows feed it to the model
+            which = "pad_token_id" if pad is not None else "pad_token_id (by default the first eos_token_id)"
+            raise ValueError(f"{which} is {self.pad}, outside the vocabulary of {vocab_size} tokens")
 
     def _find_last_real_tokens(self) -> None:
         """Where each row's next token comes from: the logits at its last real position.

@@ -99,6 +99,8 @@ def attention_heads(
     kv_heads, seq_k = key.shape[1], key.shape[2]
     if n_heads % kv_heads:
         raise ValueError(f"n_heads ({n_heads}) must be a multiple of the key heads ({kv_heads})")
+    if impl not in ("torch", "sdpa"):
+        raise ValueError(f"impl must be 'torch' or 'sdpa', got {impl!r}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if attn_mask is not None:
         if key_padding_mask is not None:
@@ -109,81 +111,100 @@ def attention_heads(
             seq_q, seq_k, key_padding_mask=key_padding_mask, is_causal=is_causal, device=query.device
         )
     p = dropout_p if training else 0.0
-    if (attn_mask is not None and p == 0.0 and query.device.type == "cpu"
-            and query.dtype == key.dtype == value.dtype == torch.float32 and head_dim % 16 == 0 and head_dim <= 128
-            and decode_kernel and not (query.requires_grad or key.requires_grad or value.requires_grad)):
+    if decode_kernel and attn_mask is not None and p == 0.0 and _decode_kernel_takes(query, key, value):
         # a decoding step over a static buffer: one pass per query and head, masked keys unread
         bias = attn_bias.expand(batch, n_heads, seq_q, seq_k) if attn_bias is not None else None
         out = cpu_quant.decode_attention(query, key, value, attn_mask.expand(batch, 1, seq_q, seq_k)[:, 0], scale, bias)
-        if query_padding_mask is not None:
-            out = out * query_padding_mask[:, None, :, None].to(out.dtype)
-        return out
-    if impl == "sdpa" and attn_mask is not None and seq_q == 1 and query.device.type == "cpu":
-        # One query per row over a masked static buffer (a batch decoding step): torch's CPU
-        # flash kernel takes 5-10x longer with a mask than the two explicit products.
-        impl = "torch"
-    if (impl == "sdpa" and query.device.type == "cpu" and torch.compiler.is_compiling() and is_causal
-            and attn_mask is None and key_padding_mask is None and attn_bias is None and seq_q == seq_k
-            and seq_k <= COMPILED_MATH_MAX_SEQ):
-        # a compiled training (or uncached) forward of short sequences: see COMPILED_MATH_MAX_SEQ
-        impl = "torch"
-
-    if impl == "sdpa":
-        mask = None
-        causal_fast = attn_mask is None and is_causal and seq_q == seq_k and seq_q > 1 and attn_bias is None and key_padding_mask is None
-        if not causal_fast and (allowed is not None or attn_bias is not None):
-            # A float mask with a finite floor keeps fully masked rows free of NaN; half the
-            # dtype's minimum leaves room for the scores so that fp16 does not overflow to -inf.
-            neg = torch.finfo(query.dtype).min / 2
-            bias = attn_bias.to(query.dtype) if attn_bias is not None else torch.zeros((), dtype=query.dtype, device=query.device)
-            mask = bias if allowed is None else torch.where(allowed, bias, neg)
-        group = n_heads // kv_heads
-        # torch's CPU flash kernel has no grouped-query path (enable_gqa falls back to the slower
-        # math kernel), so on the CPU the query heads of a group are folded into the query axis
-        # (as the torch impl does) instead of copying the whole cache group times per layer and
-        # step; a square causal prefill (is_causal) repeats the key heads instead.
-        fold = group > 1 and query.device.type == "cpu" and not causal_fast
-        if fold:
-            if mask is not None:
-                mask = torch.broadcast_to(mask, (batch, n_heads, seq_q, seq_k)).reshape(
-                    batch, kv_heads, group * seq_q, seq_k)
-            out = F.scaled_dot_product_attention(
-                query.reshape(batch, kv_heads, group * seq_q, head_dim), key, value, attn_mask=mask,
-                dropout_p=p, scale=scale,
-            ).view(batch, n_heads, seq_q, head_dim)
-        else:
-            gqa = group > 1
-            if gqa and query.device.type == "cpu":
-                key = key.repeat_interleave(group, dim=1)
-                value = value.repeat_interleave(group, dim=1)
-                gqa = False
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast, scale=scale, enable_gqa=gqa,
-            )
-    elif impl == "torch":
-        group = n_heads // kv_heads
-        # Fold the query heads of a group into the query axis: no copy of the keys per head.
-        q = query.reshape(batch, kv_heads, group * seq_q, head_dim)
-        scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, n_heads, seq_q, seq_k)
-        scores = scores.float() * scale
-        if attn_bias is not None:
-            scores = scores + attn_bias.float()
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-        probs = scores.softmax(dim=-1).to(query.dtype)
-        if p > 0:
-            probs = F.dropout(probs, p=p, training=True)
-        out = torch.matmul(probs.view(batch, kv_heads, group * seq_q, seq_k), value)
-        out = out.view(batch, n_heads, seq_q, head_dim)
     else:
-        raise ValueError(f"impl must be 'torch' or 'sdpa', got {impl!r}")
-
-    if key_padding_mask is not None or attn_mask is not None:
-        # Rows that attend to nothing (all their keys padding) are zeroed, not averaged.
-        out = out * allowed.any(dim=-1, keepdim=True).to(out.dtype)
+        if _explicit_is_faster(query, impl, attn_mask, key_padding_mask, attn_bias, is_causal, seq_q, seq_k):
+            impl = "torch"
+        if impl == "sdpa":
+            causal_fast = (attn_mask is None and is_causal and seq_q == seq_k and seq_q > 1 and attn_bias is None
+                           and key_padding_mask is None)
+            out = _sdpa(query, key, value, None if causal_fast else allowed, attn_bias, scale, p, causal_fast)
+        else:
+            out = _explicit(query, key, value, allowed, attn_bias, scale, p)
+        if key_padding_mask is not None or attn_mask is not None:
+            # Rows that attend to nothing (all their keys padding) are zeroed, not averaged.
+            out = out * allowed.any(dim=-1, keepdim=True).to(out.dtype)
     if query_padding_mask is not None:
         out = out * query_padding_mask[:, None, :, None].to(out.dtype)
     return out
+
+
+def _decode_kernel_takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`cpu_quant.decode_attention` computes this step: float32 on a CPU, head_dim a
+    multiple of 16 up to 128, no gradient wanted."""
+    head_dim = query.shape[-1]
+    return (query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32
+            and head_dim % 16 == 0 and head_dim <= 128
+            and not (query.requires_grad or key.requires_grad or value.requires_grad))
+
+
+def _explicit_is_faster(query, impl, attn_mask, key_padding_mask, attn_bias, is_causal, seq_q, seq_k) -> bool:
+    """Whether ``sdpa`` is better served by the explicit products on a CPU."""
+    if impl != "sdpa" or query.device.type != "cpu":
+        return False
+    if attn_mask is not None and seq_q == 1:
+        # One query per row over a masked static buffer (a batch decoding step): torch's CPU
+        # flash kernel takes 5-10x longer with a mask than the two explicit products.
+        return True
+    # a compiled training (or uncached) forward of short sequences: see COMPILED_MATH_MAX_SEQ
+    return (torch.compiler.is_compiling() and is_causal and attn_mask is None and key_padding_mask is None
+            and attn_bias is None and seq_q == seq_k and seq_k <= COMPILED_MATH_MAX_SEQ)
+
+
+def _sdpa(query, key, value, allowed, attn_bias, scale: float, p: float, causal_fast: bool) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention``: ``causal_fast`` its own causal mask; else
+    ``allowed`` and ``attn_bias`` as one float mask."""
+    batch, n_heads, seq_q, head_dim = query.shape
+    kv_heads, seq_k = key.shape[1], key.shape[2]
+    mask = None
+    if allowed is not None or attn_bias is not None:
+        # A float mask with a finite floor keeps fully masked rows free of NaN; half the
+        # dtype's minimum leaves room for the scores so that fp16 does not overflow to -inf.
+        neg = torch.finfo(query.dtype).min / 2
+        bias = attn_bias.to(query.dtype) if attn_bias is not None else torch.zeros((), dtype=query.dtype, device=query.device)
+        mask = bias if allowed is None else torch.where(allowed, bias, neg)
+    group = n_heads // kv_heads
+    # torch's CPU flash kernel has no grouped-query path (enable_gqa falls back to the slower
+    # math kernel), so on the CPU the query heads of a group are folded into the query axis
+    # (as the torch impl does) instead of copying the whole cache group times per layer and
+    # step; a square causal prefill (is_causal) repeats the key heads instead.
+    if group > 1 and query.device.type == "cpu" and not causal_fast:
+        if mask is not None:
+            mask = torch.broadcast_to(mask, (batch, n_heads, seq_q, seq_k)).reshape(batch, kv_heads, group * seq_q, seq_k)
+        return F.scaled_dot_product_attention(
+            query.reshape(batch, kv_heads, group * seq_q, head_dim), key, value, attn_mask=mask, dropout_p=p,
+            scale=scale,
+        ).view(batch, n_heads, seq_q, head_dim)
+    gqa = group > 1
+    if gqa and query.device.type == "cpu":
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=p, is_causal=causal_fast,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _explicit(query, key, value, allowed, attn_bias, scale: float, p: float) -> torch.Tensor:
+    """The two products and a float32 softmax, the query heads of a group folded into the query
+    axis (no copy of the keys per head)."""
+    batch, n_heads, seq_q, head_dim = query.shape
+    kv_heads, seq_k = key.shape[1], key.shape[2]
+    group = n_heads // kv_heads
+    q = query.reshape(batch, kv_heads, group * seq_q, head_dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, n_heads, seq_q, seq_k)
+    scores = scores.float() * scale
+    if attn_bias is not None:
+        scores = scores + attn_bias.float()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    probs = scores.softmax(dim=-1).to(query.dtype)
+    if p > 0:
+        probs = F.dropout(probs, p=p, training=True)
+    out = torch.matmul(probs.view(batch, kv_heads, group * seq_q, seq_k), value)
+    return out.view(batch, n_heads, seq_q, head_dim)
 
 
 def scaled_multihead_dot_product_attention(

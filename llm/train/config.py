@@ -168,10 +168,6 @@ def validate_model_section(model: Mapping[str, Any], path: str = "model") -> dic
 
 # ----------------------------------------------------------------------------------- sections
 
-_OLD_TOKENIZER = ("tokenizers are now trained when the data is prepared: scripts/prepare_data.py --tokenizer "
-                  "bpe:2048; remove this section or give tokenizer.name")
-
-
 @dataclass(kw_only=True)
 class TokenizerConfig:
     """The tokenizer the run expects: its ``name`` (a tokenizer folder or file, a bundle or a
@@ -179,8 +175,6 @@ class TokenizerConfig:
     """
 
     name: str = setting(check=non_empty)
-
-    config_removed_keys: ClassVar[dict[str, str]] = {"kind": _OLD_TOKENIZER, "vocab_size": _OLD_TOKENIZER}
 
 
 def _stream_weights(stream: Any) -> list[str]:
@@ -210,10 +204,6 @@ class StreamConfig:
         if len(given) > 1:
             raise ConfigError(given[1], "give at most one of proportion, repeat and choose "
                                         f"(got {' and '.join(given)})")
-
-
-_SHARDS_NOW = ("the text loader now reads MosaicML Streaming shards written by scripts/prepare_data.py: "
-               "give dataset.local (their folder), dataset.remote or dataset.streams")
 
 
 @dataclass(kw_only=True)
@@ -247,11 +237,6 @@ class StreamingDatasetConfig:
     validate_hash: str | None = setting(None, check=lambda v: _hash_check(v))
     keep_zip: bool = False
 
-    config_removed_keys: ClassVar[dict[str, str]] = {
-        "kind": "the dataset kind is now the loader's name (next to dataset): name: text or name: finetuning",
-        "plays_dir": _SHARDS_NOW,
-        "cache_dir": _SHARDS_NOW,
-    }
 
     def __post_init__(self) -> None:
         single = self.local is not None or self.remote is not None
@@ -310,10 +295,6 @@ class FinetuneDatasetConfig:
     padding_side: Literal["left", "right"] = "right"
     shuffle: bool = False
 
-    config_removed_keys: ClassVar[dict[str, str]] = {
-        "kind": "the dataset kind is now the loader's name (next to dataset): name: finetuning",
-    }
-
 
 DATASET_SCHEMAS: dict[str, type] = {"text": StreamingDatasetConfig, "finetuning": FinetuneDatasetConfig}
 
@@ -336,9 +317,6 @@ class LoaderConfig:
     persistent_workers: bool = False
     timeout: float = setting(0.0, check=non_negative)
 
-    config_removed_keys: ClassVar[dict[str, str]] = {
-        "shuffle": "shuffling is now a dataset option: dataset.shuffle",
-    }
 
     @classmethod
     def config_field_types(cls, data: Mapping[str, Any]) -> dict[str, type]:
@@ -604,9 +582,6 @@ class TrainConfig(RunConfig):
             self.device_eval_batch_size = self.global_train_batch_size
 
 
-_OUT_NOW = "the results file is now given on the command line: scripts/eval.py CONFIG.yaml ... --out PATH.json"
-
-
 @dataclass(kw_only=True)
 class EvalConfig(RunConfig):
     """``scripts/eval.py CONFIG.yaml [key=value ...]``: any training config, plus evaluation's keys.
@@ -619,18 +594,13 @@ class EvalConfig(RunConfig):
       so that is checked by the evaluator, not here).
     * ``eval_max_sequences``: at most this many sequences per evaluator, > 0 (default: all).
 
-    The results file is the command line's ``--out``; ``eval_output`` and ``eval_splits`` are gone.
+    The results file is the command line's ``--out``.
     """
 
     eval_loader: LoaderConfig = setting()
     eval_seq_len: int | None = setting(None, check=at_least(2))
     eval_max_sequences: int | None = setting(None, check=positive)
 
-    config_removed_keys: ClassVar[dict[str, str]] = {
-        "eval_output": _OUT_NOW,
-        "eval_splits": "evaluate another split with eval_loader.dataset.split=NAME, or several sources with "
-                       "eval_loader.dataset.streams",
-    }
 
 
 # ----------------------------------------------------------------------------------- loading

@@ -367,6 +367,46 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         return _train(cfg, data, started)
 
 
+def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: int, start_tokens: int,
+             fit_seconds: float, started: float) -> dict[str, Any]:
+    """What ``metrics.json`` holds: the run's size and progress, the held-out results (per eval
+    set and over all), tokens/s of this fit and its MFU where the device's peak is known."""
+    overall = combine(heldout)
+    metrics = {
+        "run_name": trainer.state.run_name,
+        "start_batch": start_batch,
+        "batches": int(trainer.state.timestamp.batch),
+        "tokens": int(trainer.state.timestamp.token),
+        "num_parameters": model.model.num_parameters(),
+        "vocab_size": vocab_size,
+        "heldout": heldout,
+        "heldout_nats_per_token": overall["nats_per_token"],
+        "heldout_perplexity": overall["perplexity"],
+        "tokens_per_byte": overall["tokens_per_byte"],
+        "bits_per_byte": overall["bits_per_byte"],
+        "fit_seconds": fit_seconds,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    trained = metrics["tokens"] - start_tokens
+    metrics["tokens_per_s"] = trained / fit_seconds if fit_seconds > 0 and trained > 0 else 0.0
+    peak = peak_flops(cfg)
+    metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
+                      if peak else None)
+    return metrics
+
+
+def _print_results(heldout: dict, metrics: dict[str, Any]) -> None:
+    for label, r in heldout.items():
+        print(f"held-out {label}: {r['nats_per_token']:.4f} nats/token (perplexity {r['perplexity']:.2f}), "
+              f"{r['tokens_per_byte']:.4f} tokens/byte, {r['bits_per_byte']:.4f} bits/byte")
+    print(
+        f"held-out{' (all eval sets)' if len(heldout) > 1 else ''}: {metrics['bits_per_byte']:.4f} bits/byte after "
+        f"{metrics['batches']} batches ({metrics['fit_seconds']:.0f} s training, {metrics['wall_seconds']:.0f} s in "
+        f"all; {metrics['tokens_per_s']:,.0f} tokens/s" + (f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] else "")
+        + ")"
+    )
+
+
 def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]:
     """:func:`train`'s work once the config and data are checked and the run folder is held."""
     rank0 = dist.get_global_rank() == 0
@@ -398,27 +438,7 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
     fit_seconds = time.perf_counter() - fit_started
 
     heldout = evaluate_sets(trainer, eval_sets, prefix="heldout/")  # on every rank
-    overall = combine(heldout)
-    metrics = {
-        "run_name": trainer.state.run_name,
-        "start_batch": start_batch,
-        "batches": int(trainer.state.timestamp.batch),
-        "tokens": int(trainer.state.timestamp.token),
-        "num_parameters": model.model.num_parameters(),
-        "vocab_size": len(tokenizer),
-        "heldout": heldout,
-        "heldout_nats_per_token": overall["nats_per_token"],
-        "heldout_perplexity": overall["perplexity"],
-        "tokens_per_byte": overall["tokens_per_byte"],
-        "bits_per_byte": overall["bits_per_byte"],
-        "fit_seconds": fit_seconds,
-        "wall_seconds": time.perf_counter() - started,
-    }
-    trained = metrics["tokens"] - start_tokens
-    metrics["tokens_per_s"] = trained / fit_seconds if fit_seconds > 0 and trained > 0 else 0.0
-    peak = peak_flops(cfg)
-    metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
-                      if peak else None)
+    metrics = _metrics(cfg, trainer, model, len(tokenizer), heldout, start_batch, start_tokens, fit_seconds, started)
     model_dir = save_folder / MODEL_DIR
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
     result = {**metrics, "samples": [], "model_dir": str(model_dir),
@@ -429,14 +449,7 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
     model.model.save_pretrained(model_dir, tokenizer=tokenizer)
     # Written before sampling, so nothing computed is lost to a late error.
     atomic_write(save_folder / METRICS_FILE, lambda tmp: Path(tmp).write_text(json.dumps(metrics, indent=2) + "\n"))
-    for label, r in heldout.items():
-        print(f"held-out {label}: {r['nats_per_token']:.4f} nats/token (perplexity {r['perplexity']:.2f}), "
-              f"{r['tokens_per_byte']:.4f} tokens/byte, {r['bits_per_byte']:.4f} bits/byte")
-    print(
-        f"held-out{' (all eval sets)' if len(heldout) > 1 else ''}: {overall['bits_per_byte']:.4f} bits/byte after "
-        f"{metrics['batches']} batches ({fit_seconds:.0f} s training, {metrics['wall_seconds']:.0f} s in all; "
-        f"{metrics['tokens_per_s']:,.0f} tokens/s" + (f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] else "") + ")"
-    )
+    _print_results(heldout, metrics)
     print(f"model and tokenizer: {model_dir}; metrics: {save_folder / METRICS_FILE}")
     result["samples"] = generate_samples(
         model.model,

@@ -421,10 +421,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     :class:`ConfigError` at ``path.<field>`` when its message starts with a field's name, else at
     ``path``.
 
-    Two optional class attributes extend a schema:
+    An optional class method extends a schema:
 
-    * ``config_removed_keys``: ``{key: message}`` for keys that used to exist; giving one is an
-      error with that message (instead of "unknown key").
     * ``config_field_types(data)`` (a classmethod): ``{field: type}`` overriding annotations for
       this mapping, e.g. to pick a section's schema from a sibling ``name`` key.
 
@@ -444,10 +442,6 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
 
     init_fields = [f for f in dataclasses.fields(cls) if f.init]
     allowed = [f.name for f in init_fields]
-    removed: Mapping[str, str] = getattr(cls, "config_removed_keys", None) or {}
-    for key in data:
-        if key in removed and key not in allowed:
-            raise ConfigError(join_path(path, key), removed[key])
     unknown = [key for key in data if key not in allowed]
     if unknown:
         key = unknown[0]

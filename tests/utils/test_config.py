@@ -87,7 +87,6 @@ class B:
 class Switch:
     kind: Literal["a", "b"] = "a"
     body: A | B = field(default_factory=A)
-    config_removed_keys: ClassVar[dict[str, str]] = {"old": "old is gone: use kind"}
 
     @classmethod
     def config_field_types(cls, data):
@@ -196,10 +195,9 @@ def test_plain_value_error_in_post_init_becomes_a_config_error_at_the_field_it_n
     assert error(Holder, {"legacy": {"width": 0}}).path == "legacy"
 
 
-def test_removed_keys_and_field_type_hooks():
+def test_field_type_hook():
     assert from_dict(Switch, {"kind": "b", "body": {"b": 2}}).body == B(b=2)
     assert str(error(Switch, {"kind": "b", "body": {"a": 2}})).startswith("body.a: unknown key; allowed keys: ['b']")
-    assert str(error(Switch, {"old": 1})) == "old: old is gone: use kind"
 
 
 def test_from_dict_path_argument_and_non_mappings():
