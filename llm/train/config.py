@@ -1,4 +1,5 @@
-"""The training and evaluation configurations: typed schemas, validated once, before any work.
+"""The training and evaluation configurations: OmegaConf structured configs (dataclasses, as
+llm-foundry's), validated once, before any work.
 
 :func:`load_train_config` turns an llm-foundry-style YAML config (a mapping, or an omegaconf
 ``DictConfig`` with the command line's ``key=value`` overrides merged in) into a
@@ -6,7 +7,8 @@
 ``scripts/eval.py``. Both refuse, with a :class:`~llm.utils.config.ConfigError` whose message
 starts with the full dotted path of the key (``train_loader.dataset.splt: unknown key; allowed
 keys: [...]``), any unknown key at any depth, a missing required key, a value of the wrong type
-and a value out of range; see :mod:`llm.utils.config` for the type rules.
+and a value out of range (the ranges are each field's ``check``); see :mod:`llm.utils.config`
+for the type rules.
 
 The sections (field names are the YAML keys):
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Mapping
 
 from llm.utils.config import (
     ConfigError,
@@ -44,6 +46,7 @@ from llm.utils.config import (
     in_range,
     non_empty,
     non_negative,
+    one_of,
     positive,
     setting,
     to_dict,
@@ -135,6 +138,12 @@ def _interval_check(value: Any) -> str | None:
     return time_check(INTERVAL_UNITS)(value)
 
 
+def _microbatch_check(value: Any) -> str | None:
+    if isinstance(value, str) and value != "auto":
+        return f"expected an int, 'auto' or null, got {value!r} (str)"
+    return positive(value)
+
+
 def _eval_subset_check(value: Any) -> str | None:
     if isinstance(value, int) and value != -1 and value < 1:
         return f"must be -1 (the whole eval split) or > 0, got {value!r}"
@@ -224,14 +233,15 @@ class StreamingDatasetConfig:
     streams: dict[str, StreamConfig] | None = None
     shuffle: bool = False
     shuffle_seed: int | None = setting(None, check=in_range(0, 2**32 - 1))
-    shuffle_algo: Literal["naive", "py1b", "py1br", "py1e", "py1s", "py2s"] = "py1e"
+    shuffle_algo: str = setting("py1e", check=one_of("naive", "py1b", "py1br", "py1e", "py1s", "py2s"))
     shuffle_block_size: int | None = setting(None, check=positive)
     num_canonical_nodes: int | None = setting(None, check=positive)
     predownload: int | None = setting(None, check=positive)
     cache_limit: str | int | None = setting(None, check=lambda v: _cache_limit_check(v))
-    sampling_method: Literal["balanced", "fixed"] = "balanced"
+    sampling_method: str = setting("balanced", check=one_of("balanced", "fixed"))
     sampling_granularity: int = setting(1, check=positive)
-    batching_method: Literal["random", "stratified", "per_stream", "device_per_stream"] = "random"
+    batching_method: str = setting("random",
+                                   check=one_of("random", "stratified", "per_stream", "device_per_stream"))
     download_retry: int = setting(2, check=non_negative)
     download_timeout: float = setting(60.0, check=positive)
     validate_hash: str | None = setting(None, check=lambda v: _hash_check(v))
@@ -292,7 +302,7 @@ class FinetuneDatasetConfig:
     """
 
     path: str = setting(check=non_empty)
-    padding_side: Literal["left", "right"] = "right"
+    padding_side: str = setting("right", check=one_of("left", "right"))
     shuffle: bool = False
 
 
@@ -308,8 +318,8 @@ class LoaderConfig:
     options. ``drop_last`` defaults to true for the train loader, false for the eval loader.
     """
 
-    name: Literal["text", "finetuning"] = "text"
-    dataset: StreamingDatasetConfig | FinetuneDatasetConfig
+    name: str = setting("text", check=one_of("text", "finetuning"))
+    dataset: Any = setting()  # StreamingDatasetConfig or FinetuneDatasetConfig, by name
     drop_last: bool | None = None
     num_workers: int = setting(0, check=non_negative)
     pin_memory: bool = False
@@ -351,7 +361,7 @@ class OptimizerConfig:
     ``1 - weight_decay * lr / lr_0`` every step: about ``lr`` times the value ``adamw`` takes.
     """
 
-    name: Literal["decoupled_adamw", "adamw"]
+    name: str = setting(check=one_of("decoupled_adamw", "adamw"))
     lr: float = setting(1.0e-3, check=positive)
     betas: tuple[float, float] = setting((0.9, 0.95), check=each(in_range(0, 1, hi_inclusive=False)))
     eps: float = setting(1.0e-8, check=positive)
@@ -359,7 +369,7 @@ class OptimizerConfig:
     #: which parameters weight_decay applies to: ``matrices`` (every parameter of 2 or more
     #: dimensions: the projections and the embeddings; not norms or biases), as nanoGPT's
     #: ``configure_optimizers``; or ``all``
-    decay: Literal["matrices", "all"] = "matrices"
+    decay: str = setting("matrices", check=one_of("matrices", "all"))
 
 
 @dataclass(kw_only=True)
@@ -372,7 +382,7 @@ class SchedulerConfig:
     every key there is an option of the named Composer scheduler).
     """
 
-    name: Literal["cosine_with_warmup", "constant_with_warmup", "linear_with_warmup"]
+    name: str = setting(check=one_of("cosine_with_warmup", "constant_with_warmup", "linear_with_warmup"))
     t_warmup: str = setting(check=time_check(SCHEDULER_UNITS, allow_zero=True, example="100ba"))
     alpha_f: float | None = setting(None, check=in_range(0, 1))
     t_max: str = setting("1dur", check=time_check(SCHEDULER_UNITS, example="1dur"))
@@ -397,7 +407,7 @@ class SchedulerConfig:
 class GradientClippingConfig:
     """Composer's ``GradientClipping`` algorithm."""
 
-    clipping_type: Literal["norm", "value", "adaptive"]
+    clipping_type: str = setting(check=one_of("norm", "value", "adaptive"))
     clipping_threshold: float = setting(check=positive)
 
 
@@ -432,7 +442,8 @@ class CompileConfig:
     (``{}``: torch's defaults)."""
 
     backend: str = setting("inductor", check=non_empty)
-    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    mode: str | None = setting(None, check=one_of("default", "reduce-overhead", "max-autotune",
+                                                  "max-autotune-no-cudagraphs"))
     fullgraph: bool = False
     dynamic: bool | None = None
 
@@ -513,9 +524,9 @@ class RunConfig:
     eval_interval: str | int = setting("1ep", check=_interval_check)
     eval_subset_num_batches: int = setting(-1, check=_eval_subset_check)
     global_train_batch_size: int | None = setting(None, check=positive)
-    device_train_microbatch_size: int | Literal["auto"] | None = setting(None, check=positive)
+    device_train_microbatch_size: int | str | None = setting(None, check=lambda v: _microbatch_check(v))
     device_eval_batch_size: int | None = setting(None, check=positive)
-    precision: Literal["fp32", "amp_fp16", "amp_bf16", "amp_fp8"] | None = None
+    precision: str | None = setting(None, check=one_of("fp32", "amp_fp16", "amp_bf16", "amp_fp8"))
     seed: int = setting(17, check=_SEED_CHECK)
     save_folder: str | None = setting(None, check=non_empty)
     save_interval: str | int = setting("1ep", check=_interval_check)

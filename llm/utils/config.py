@@ -1,22 +1,29 @@
-"""Typed configuration schemas: dataclasses validated once, up front, from nested mappings.
+"""Typed configuration schemas: dataclasses read as OmegaConf structured configs.
 
-A schema is a dataclass whose annotations say what each key holds. :func:`from_dict` builds one
-from a mapping (a YAML file loaded as plain dicts, or an omegaconf ``DictConfig``) and refuses,
-with a :class:`ConfigError` whose message starts with the full dotted path of the offending key:
+A schema is a dataclass whose annotations are OmegaConf's structured-config types (as
+llm-foundry's configs are): ``int``, ``float``, ``bool``, ``str``, unions of those, ``X | None``,
+``list[...]``, ``tuple[...]``, ``dict[str, ...]``, nested dataclasses and ``Any``.
+:func:`from_dict` merges a mapping (plain, or an omegaconf ``DictConfig``) into
+``OmegaConf.structured(cls)`` and builds the dataclass. It refuses, with a :class:`ConfigError`
+whose message starts with the full dotted path of the offending key:
 
-* a key the schema does not have, at any depth (listing the allowed keys, with a guess when the
-  key looks like a typo of one of them);
-* a missing required key (a field without a default);
-* a value of the wrong type, by the annotation (see :func:`from_dict` for the rules);
+* a key the schema does not have, at any depth (OmegaConf's ``ConfigKeyError``; the message
+  lists the allowed keys, with a guess when the key looks like a typo of one of them);
+* a missing required key (a field without a default is OmegaConf's ``MISSING``);
+* a value OmegaConf cannot convert to its field's type (``ValidationError``: ints become floats
+  and strings become what YAML would read them as; a float is no int, a word no bool);
+* a float that is not finite, a fixed-length tuple of another length;
 * a value its field's ``check`` refuses (see :func:`setting` and the helpers :func:`positive`,
-  :func:`non_negative`, :func:`in_range`, ...);
+  :func:`in_range`, :func:`one_of`, ...);
 * whatever the dataclass's ``__post_init__`` refuses (cross-field rules): it raises
   ``ConfigError("local_key", "...")`` with the key relative to its own dataclass, and
   :func:`from_dict` prefixes the dataclass's path.
 
-:func:`to_dict` turns a schema instance back into plain dicts and lists (to save it as YAML).
+OmegaConf has no ``Literal``: a field with a fixed set of values is a ``str`` with
+``check=one_of(...)``. A field whose schema depends on a sibling key (a loader's ``dataset``, by
+its ``name``) is annotated ``Any`` and typed by the class method ``config_field_types(data)``.
 
-This module imports the standard library only.
+:func:`to_dict` turns a schema instance back into plain dicts and lists (to save it as YAML).
 """
 
 from __future__ import annotations
@@ -26,10 +33,14 @@ import difflib
 import functools
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 __all__ = [
     "Check",
@@ -42,6 +53,7 @@ __all__ = [
     "join_path",
     "non_empty",
     "non_negative",
+    "one_of",
     "positive",
     "setting",
     "to_dict",
@@ -169,6 +181,17 @@ def non_empty(value: Any) -> str | None:
     return None
 
 
+def one_of(*choices: Any) -> Check:
+    """A check that the value is one of ``choices`` (None passes: make the field ``X | None`` or not)."""
+
+    def check(value: Any) -> str | None:
+        if value is None or any(type(value) is type(c) and value == c for c in choices):
+            return None
+        return f"expected one of {list(choices)}, {_got(value)}"
+
+    return check
+
+
 def each(check: Check) -> Check:
     """A check applying ``check`` to every item of a list or tuple (naming the item's index)."""
 
@@ -196,7 +219,7 @@ def all_of(*checks: Check) -> Check:
     return check_all
 
 
-# ------------------------------------------------------------------------------ conversion
+# ------------------------------------------------------------------------------- messages
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
@@ -213,48 +236,20 @@ def _got(value: Any) -> str:
 def _describe(tp: Any) -> str:
     """What a type annotation accepts, in words."""
     origin = typing.get_origin(tp)
+    words = {bool: "a bool (true or false)", int: "an int", float: "a float", str: "a str", type(None): "null"}
+    if tp in words:
+        return words[tp]
     if tp is Any:
         return "anything"
-    if tp is type(None) or tp is None:
-        return "null"
-    if tp is bool:
-        return "a bool (true or false)"
-    if tp is int:
-        return "an int"
-    if tp is float:
-        return "a float"
-    if tp is str:
-        return "a str"
-    if origin is Literal:
-        values = typing.get_args(tp)
-        return repr(values[0]) if len(values) == 1 else f"one of {list(values)}"
     if origin in (Union, types.UnionType):
-        return _describe_alternatives(typing.get_args(tp))
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        alternatives = [_describe(alt) for alt in typing.get_args(tp)]
+        return ", ".join(alternatives[:-1]) + " or " + alternatives[-1]
+    if origin in (list, tuple) or tp in (list, tuple):
         args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            return f"a list of {len(args)} values"
-        return "a list"
-    if dataclasses.is_dataclass(tp) or origin in (dict, Mapping) or tp is dict:
+        return f"a list of {len(args)} values" if origin is tuple and args and args[-1] is not Ellipsis else "a list"
+    if dataclasses.is_dataclass(tp) or origin is dict or tp is dict:
         return "a mapping"
     return getattr(tp, "__name__", str(tp))
-
-
-def _describe_alternatives(alternatives: Sequence[Any]) -> str:
-    words = [_describe(alt) for alt in alternatives]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def _to_plain(data: Any, path: str) -> Any:
-    """``data`` with omegaconf containers turned into plain dicts and lists (interpolations resolved)."""
-    if type(data).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf  # only when given an omegaconf object: no import otherwise
-
-        try:
-            return OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
-        except Exception as e:  # interpolation or missing-value errors, which name the key
-            raise ConfigError(path, " ".join(str(e).split())) from None
-    return data
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,96 +257,68 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _convert(tp: Any, value: Any, path: str, *, coerce: bool = True) -> Any:
-    """``value`` checked against the annotation ``tp`` (and converted: int to float, tuples).
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
-    ``coerce`` False (for a union's first pass) refuses ints for ``float``.
 
-    Raises:
-        ConfigError: ``value`` is of the wrong type, naming ``path`` and what is allowed.
-    """
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        return _convert_union(typing.get_args(tp), value, path)
-    if tp is type(None) or tp is None:
-        if value is None:
+def _without_none(tp: Any) -> Any:
+    """``X`` for ``X | None`` (the annotation itself otherwise)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _lookup(data: Any, path: str) -> Any:
+    """The value at a dotted ``path`` (``a.b[2]``) of plain ``data``, or None."""
+    for part in re.findall(r"[^.\[\]]+", path):
+        if isinstance(data, Mapping):
+            data = data.get(part)
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
             return None
-        raise ConfigError(path, f"expected null, {_got(value)}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if any(type(value) is type(a) and value == a for a in allowed):
-            return value
-        raise ConfigError(path, f"expected {_describe(tp)}, {_got(value)}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(path, f"expected a bool (true or false), {_got(value)}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(path, f"expected an int, {_got(value)}")
-    if tp is float:
-        return _convert_float(value, path, coerce=coerce)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(path, f"expected a str, {_got(value)}")
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
-    if origin in (dict, Mapping) or tp in (dict, Mapping):
-        return _convert_dict(tp, value, path)
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
-        return _convert_sequence(tp, value, path)
-    raise TypeError(f"{path}: unsupported annotation {tp!r} in a config schema")
+    return data
 
 
-def _convert_float(value: Any, path: str, *, coerce: bool) -> float:
-    if isinstance(value, float) or (coerce and isinstance(value, int) and not isinstance(value, bool)):
-        try:
-            result = float(value)
-        except OverflowError:
-            raise ConfigError(path, f"expected a finite float, {_got(value)}") from None
-        if not math.isfinite(result):
-            raise ConfigError(path, f"expected a finite float, {_got(value)}")
-        return result
-    if _looks_infinite(value):
-        raise ConfigError(path, f"expected a finite float, {_got(value)}")
-    raise ConfigError(path, f"expected a float, {_got(value)}")
+def _annotation_at(cls: type, full_key: str) -> Any:
+    """The annotation of the field at a dotted key below the dataclass ``cls``, or None."""
+    tp: Any = cls
+    for part in re.findall(r"[^.\[\]]+", full_key):
+        tp = _without_none(tp)
+        if dataclasses.is_dataclass(tp):
+            tp = _type_hints(tp).get(part)
+        elif typing.get_origin(tp) in (dict, list, tuple):
+            args = typing.get_args(tp)
+            if typing.get_origin(tp) is dict or len(args) == 1 or args[-1] is Ellipsis:
+                tp = args[-1] if typing.get_origin(tp) is dict else args[0]
+            else:
+                tp = args[int(part)] if part.isdigit() and int(part) < len(args) else None
+        else:
+            return None
+        if tp is None:
+            return None
+    return tp
 
 
-def _is_mapping_type(tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    return dataclasses.is_dataclass(tp) or origin in (dict, Mapping) or tp in (dict, Mapping)
-
-
-def _is_sequence_type(tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    return origin in (list, tuple, Sequence) or tp in (list, tuple)
-
-
-def _convert_union(alternatives: Sequence[Any], value: Any, path: str) -> Any:
-    # A mapping or list given where exactly one alternative takes one: its own (precise) errors.
-    if isinstance(value, Mapping):
-        structured = [alt for alt in alternatives if _is_mapping_type(alt)]
-    elif isinstance(value, (list, tuple)):
-        structured = [alt for alt in alternatives if _is_sequence_type(alt)]
-    else:
-        structured = []
-    if len(structured) == 1:
-        return _convert(structured[0], value, path)
-    # Exact types first (so 3 stays an int in `float | int`), then with int -> float.
-    for coerce in (False, True):
-        for alt in alternatives:
-            try:
-                return _convert(alt, value, path, coerce=coerce)
-            except ConfigError:
-                pass
-    problem = f"expected {_describe_alternatives(alternatives)}, {_got(value)}"
-    if float in alternatives and _looks_infinite(value):
-        problem += ": not a finite number"
-    raise ConfigError(path, problem)
+def _omegaconf_error(err: OmegaConfBaseException, root: type, data: Any, path: str) -> ConfigError:
+    """One of OmegaConf's errors as a :class:`ConfigError` naming the key and what is allowed."""
+    where = join_path(path, err.full_key) if err.full_key else path
+    cls = err.object_type if dataclasses.is_dataclass(err.object_type) else None
+    if isinstance(err, ConfigKeyError) and cls is not None:
+        allowed = _fields(cls)
+        guess = difflib.get_close_matches(str(err.key), allowed, n=1, cutoff=0.6)
+        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        return ConfigError(where, f"unknown key{hint}; allowed keys: {allowed}")
+    if isinstance(err, MissingMandatoryValue):
+        return ConfigError(where, "missing required key")
+    annotation = _annotation_at(root, err.full_key)
+    if annotation is not None:
+        value = _lookup(data, err.full_key)
+        finite = "a finite float" if _without_none(annotation) is float and _looks_infinite(value) else None
+        return ConfigError(where, f"expected {finite or _describe(annotation)}, {_got(value)}")
+    return ConfigError(where, " ".join(str(err.msg).split()))
 
 
 def _looks_infinite(value: Any) -> bool:
@@ -360,76 +327,59 @@ def _looks_infinite(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity")
 
 
-def _convert_dict(tp: Any, value: Any, path: str) -> dict:
-    value = _to_plain(value, path)
-    if not isinstance(value, Mapping):
-        raise ConfigError(path, f"expected a mapping, {_got(value)}")
-    args = typing.get_args(tp)
-    key_type, value_type = args if args else (Any, Any)
-    result = {}
-    for key, item in value.items():
-        if key_type is str and not isinstance(key, str):
-            raise ConfigError(path, f"keys must be strings, got {_short_repr(key)} ({type(key).__name__})")
-        item_path = join_path(path, str(key))
-        result[_convert(key_type, key, item_path) if key_type is not str else key] = _convert(
-            value_type, _to_plain(item, item_path), item_path
-        )
-    return result
-
-
-def _convert_sequence(tp: Any, value: Any, path: str) -> list | tuple:
-    value = _to_plain(value, path)
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise ConfigError(path, f"expected {_describe(tp)}, {_got(value)}")
-    origin = typing.get_origin(tp) or tp
-    args = typing.get_args(tp)
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        if len(value) != len(args):
-            raise ConfigError(path, f"expected {len(args)} values, got {len(value)}: {_short_repr(list(value))}")
-        return tuple(_convert(t, v, join_path(path, i)) for i, (t, v) in enumerate(zip(args, value)))
-    item_type = args[0] if args else Any
-    items = [_convert(item_type, v, join_path(path, i)) for i, v in enumerate(value)]
-    return tuple(items) if origin is tuple else items
-
-
 # ------------------------------------------------------------------------------ from_dict
+
+
+def _to_plain(data: Any, path: str) -> Any:
+    """``data`` with omegaconf containers turned into plain dicts and lists (interpolations resolved)."""
+    if isinstance(data, (DictConfig, ListConfig)):
+        try:
+            return OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as e:  # interpolation or missing-value errors, which name the key
+            raise ConfigError(path, " ".join(str(e).split())) from None
+    return data
+
+
+def _check_sections(cls: type, data: Mapping, path: str) -> None:
+    """Refuse a non-mapping where the schema has a section (OmegaConf's merge error would not say
+    where), at any depth."""
+    hints = _type_hints(cls)
+    for key, value in data.items():
+        tp = _without_none(hints.get(key, Any))
+        if value is None or tp is Any:
+            continue
+        key_path = join_path(path, key)
+        if tp is float and _is_number(value) and abs(value) > sys.float_info.max:  # OmegaConf would overflow
+            raise ConfigError(key_path, f"expected a finite float, {_got(value)}")
+        items_type = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if dataclasses.is_dataclass(tp) or items_type is not None:
+            if not isinstance(value, Mapping):
+                raise ConfigError(key_path, f"expected {_describe(hints[key])}, {_got(value)}")
+        if dataclasses.is_dataclass(tp):
+            _check_sections(tp, value, key_path)
+        elif dataclasses.is_dataclass(items_type):
+            for name, item in value.items():
+                if not isinstance(item, Mapping):
+                    raise ConfigError(join_path(key_path, str(name)), f"expected a mapping of keys to values, "
+                                                                      f"{_got(item)}")
+                _check_sections(items_type, item, join_path(key_path, str(name)))
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """An instance of the dataclass ``cls`` from the mapping ``data``, validated.
 
-    ``data`` is a mapping (an omegaconf ``DictConfig`` too: it is resolved into plain containers;
-    omegaconf is imported only then). ``path`` is where ``data`` sits in the whole configuration
-    (``""`` at the top), the prefix of every error's path.
-
-    Type rules, from ``cls``'s annotations (``typing.get_type_hints``):
-
-    * ``int``: an int, not a bool; ``float``: an int (converted) or a float, finite (NaN and
-      infinities refused); ``bool``: true or false only; ``str``; ``None``: null;
-    * ``Literal[a, b]``: one of those values (the error lists them);
-    * ``list[T]``; ``tuple[T, ...]``; ``tuple[T1, T2]`` (exactly that many values, else
-      ``expected 2 values, got 1``); items are checked with paths ``key[i]``;
-    * ``dict[str, T]``: a mapping, each value checked as ``T`` with path ``key.name`` (``T`` may
-      be a dataclass); a dataclass: a mapping, converted recursively;
-    * unions (``int | str | None``): the first alternative the value fits, exact types before
-      int -> float; a mapping (or list) given where one alternative takes one is checked against
-      it, for precise errors; ``Any``: anything.
-
-    Then each field's ``metadata["check"]`` (see :func:`setting`) is run on the converted value,
-    and the dataclass is constructed: a :class:`ConfigError` raised by its ``__post_init__``
-    (with a path relative to it) gets ``path`` put in front; a plain ``ValueError`` becomes a
+    ``data`` is merged into ``OmegaConf.structured(cls)`` (types, unknown and missing keys), then
+    the dataclasses are built from the merged config, each field's ``check`` run in field order
+    and every ``__post_init__`` called. ``path`` is the dotted path of ``data`` in a larger
+    configuration (for messages). A ``ConfigError`` from ``__post_init__`` (with a path relative
+    to its dataclass) gets ``path`` put in front; a plain ``ValueError`` becomes a
     :class:`ConfigError` at ``path.<field>`` when its message starts with a field's name, else at
     ``path``.
 
-    An optional class method extends a schema:
-
-    * ``config_field_types(data)`` (a classmethod): ``{field: type}`` overriding annotations for
-      this mapping, e.g. to pick a section's schema from a sibling ``name`` key.
-
     Raises:
         ConfigError: see the module docstring; the message starts with the full dotted path.
-        TypeError: if ``cls`` is not a dataclass or uses an unsupported annotation (a bug in the
-            schema, not in the configuration).
+        TypeError: if ``cls`` is not a dataclass OmegaConf can read (a bug in the schema, not in
+            the configuration: e.g. a ``Literal`` annotation).
     """
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
@@ -439,38 +389,35 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     for key in data:
         if not isinstance(key, str):
             raise ConfigError(path, f"keys must be strings, got {_short_repr(key)} ({type(key).__name__})")
+    try:
+        schema = OmegaConf.structured(cls)
+    except OmegaConfBaseException as e:
+        raise TypeError(f"{cls.__name__} is not an OmegaConf structured config: {str(e).splitlines()[0]}") from None
+    _check_sections(cls, data, path)
+    try:
+        return _build(cls, OmegaConf.merge(schema, data), path)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, cls, data, path) from None
 
-    init_fields = [f for f in dataclasses.fields(cls) if f.init]
-    allowed = [f.name for f in init_fields]
-    unknown = [key for key in data if key not in allowed]
-    if unknown:
-        key = unknown[0]
-        guess = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
-        also = f"; also unknown: {unknown[1:]}" if len(unknown) > 1 else ""
-        raise ConfigError(join_path(path, key), f"unknown key{hint}; allowed keys: {allowed}{also}")
 
-    missing = [f.name for f in init_fields
-               if f.name not in data and f.default is _MISSING and f.default_factory is _MISSING]
-    if missing:
-        also = f" (also missing: {missing[1:]})" if len(missing) > 1 else ""
-        raise ConfigError(join_path(path, missing[0]), f"missing required key{also}")
-
+def _build(cls: type, node: DictConfig, path: str) -> Any:
+    """The dataclass ``cls`` from its merged node (see :func:`from_dict`)."""
     hints = dict(_type_hints(cls))
     field_types = getattr(cls, "config_field_types", None)
-    if field_types is not None:
-        hints.update(field_types(data))
+    by_sibling = field_types(OmegaConf.to_container(node)) if field_types is not None else {}
     kwargs = {}
-    for f in init_fields:
-        if f.name not in data:
+    for f in dataclasses.fields(cls):
+        if not f.init:
             continue
         field_path = join_path(path, f.name)
-        value = _convert(hints[f.name], data[f.name], field_path)
+        if f.name in by_sibling:
+            value = from_dict(by_sibling[f.name], node[f.name], field_path)
+        else:
+            value = _value(hints[f.name], node[f.name], field_path)
         check = f.metadata.get("check")
-        if check is not None:
-            problem = check(value)
-            if problem:
-                raise ConfigError(field_path, problem)
+        problem = check(value) if check is not None else None
+        if problem:
+            raise ConfigError(field_path, problem)
         kwargs[f.name] = value
     try:
         return cls(**kwargs)
@@ -479,8 +426,35 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     except ValueError as e:
         message = str(e)
         match = re.match(r"[A-Za-z_]\w*", message)
-        key = match.group(0) if match and match.group(0) in allowed else None
+        key = match.group(0) if match and match.group(0) in _fields(cls) else None
         raise ConfigError(join_path(path, key) if key else path, message) from None
+
+
+def _value(tp: Any, raw: Any, path: str) -> Any:
+    """A merged node's value as the annotation ``tp`` wants it: dataclasses built, tuples of their
+    length, floats finite, other containers plain."""
+    tp = _without_none(tp)
+    if raw is None:
+        return None
+    if isinstance(raw, DictConfig):
+        if dataclasses.is_dataclass(tp):
+            return _build(tp, raw, path)
+        items_type = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if dataclasses.is_dataclass(items_type):
+            return {key: _build(items_type, raw[key], join_path(path, str(key))) for key in raw}
+        return OmegaConf.to_container(raw, resolve=True)
+    if isinstance(raw, ListConfig):
+        items = OmegaConf.to_container(raw, resolve=True)
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is tuple and args and args[-1] is not Ellipsis and len(items) != len(args):
+            raise ConfigError(path, f"expected {len(args)} values, got {len(items)}: {_short_repr(items)}")
+        for i, item in enumerate(items):
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(join_path(path, i), f"expected a finite float, {_got(item)}")
+        return tuple(items) if typing.get_origin(tp) is tuple else items
+    if isinstance(raw, float) and not math.isfinite(raw):
+        raise ConfigError(path, f"expected a finite float, {_got(raw)}")
+    return raw
 
 
 # -------------------------------------------------------------------------------- to_dict

@@ -94,7 +94,7 @@ def test_to_dict_is_plain_resolved_and_round_trips(tmp_path):
         ("model.d_model=30", r"^model\.d_model: d_model \(30\) must be divisible by n_heads \(4\)"),
         ("model.init_std=.nan", r"^model\.init_std: expected a finite float"),
         ("model.vocab_size=0", r"^model\.vocab_size: vocab_size must be a positive integer"),
-        ("sample_temperature=nan", r"^sample_temperature: expected a finite float, got 'nan'"),
+        ("sample_temperature=nan", r"^sample_temperature: expected a finite float, got nan"),
         ("sample_temperature=.inf", r"^sample_temperature: expected a finite float, got inf"),
         ("sample_temperature=-1", r"^sample_temperature: must be >= 0"),
         ("sample_prompts=[]", r"^sample_prompts: is empty but num_samples is 3"),
