@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import OmegaConf
+
+from llm.utils.config import from_dict
 
 ATTN_IMPLS = ("torch", "sdpa")
 FFN_TYPES = ("mlp", "glu")
@@ -138,18 +140,14 @@ class MosaicGPTConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "MosaicGPTConfig":
-        """Build a config from a mapping (a dict or an omegaconf node).
+        """Build a config from a mapping (a dict or an omegaconf node), read as an OmegaConf
+        structured config (:func:`llm.utils.config.from_dict`).
 
         Raises:
-            ValueError: for an unknown key (naming it and listing the allowed keys) or a bad value.
+            llm.utils.config.ConfigError: (a ValueError) for an unknown key (naming it and listing
+                the allowed keys), a value of the wrong type or a bad value, naming the key.
         """
-        if not isinstance(values, dict):
-            values = OmegaConf.to_container(values, resolve=True)
-        allowed = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; allowed keys: {allowed}")
-        return cls(**values)
+        return from_dict(cls, values)
 
     def to_dict(self) -> dict[str, Any]:
         """All options as a plain dict."""

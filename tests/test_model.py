@@ -146,7 +146,7 @@ def test_config_errors_name_the_key(options, message):
 
 
 def test_config_unknown_key_and_yaml_roundtrip(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown model config key\(s\) \['n_head'\]; allowed keys"):
+    with pytest.raises(ValueError, match=r"^n_head: unknown key \(did you mean 'n_heads'\?\); allowed keys"):
         MosaicGPTConfig.from_dict({"n_head": 4})
     config = MosaicGPTConfig(d_model=64, n_heads=2, alibi=True, learned_pos_emb=False)
     config.save(tmp_path / "c.yaml")
