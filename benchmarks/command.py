@@ -71,13 +71,17 @@ def run(command: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(ROOT / "models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--model", help="a .gguf file (default: the registered smollm2-135m-instruct's, from llm fetch)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    if args.model is None:
+        from llm.utils.pretrained import registered_path
+
+        args.model = str(registered_path("smollm2-135m-instruct"))
     if not PEERS_PYTHON.is_file():
         p.error(f"no {PEERS_PYTHON}: run `make bench-peers` first")
     py = sys.executable

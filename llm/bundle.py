@@ -162,7 +162,7 @@ def from_pretrained(
 
     Raises:
         FileNotFoundError: if the directory, its config or its weights are missing, or the
-            GGUF file is (for a registered name: run ``make data``).
+            GGUF file is (for a registered name: run ``llm fetch NAME``).
         ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
             naming the file and the tensors that did not fit; if ``generation_config.json``
             is not a valid generation config (naming it); an unknown ``quantization``, or one

@@ -100,7 +100,7 @@ def workdir(tmp_path_factory):
     from tests.train_helpers import make_tiny_data
 
     work = tmp_path_factory.mktemp("readme")
-    for name in ("configs", "scripts", "models", ".venv"):
+    for name in ("configs", "scripts", ".venv"):
         (work / name).symlink_to(ROOT / name)
     shakespeare = work / "data" / "shakespeare"
     shakespeare.mkdir(parents=True)

@@ -15,11 +15,13 @@ import sys
 from llm.cli.common import BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, CliError, integer, load_yaml_config, set_threads
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "eval.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="eval.py", description="Held-out cross-entropy, perplexity and bits per byte of a checkpoint or model.",
+        prog=prog, description="Held-out cross-entropy, perplexity and bits per byte of a checkpoint or model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Options as key=value: eval_seq_len=512 eval_max_sequences=64 device_eval_batch_size=8 "
-               "eval_loader.dataset.local=DIR (any config key).")
+               "eval_loader.dataset.local=DIR (any config key).\n\nexample:\n"
+               "  llm eval configs/shakespeare.yaml --model runs/shakespeare/model eval_max_sequences=64")
     parser.add_argument("config", help="a training config (YAML)")
     parser.add_argument("--model", help="a bundle directory, .gguf file or registered name (instead of load_path=)")
     parser.add_argument("--out", help="where to write the JSON results")
@@ -31,9 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "eval.py") -> int:
     """Run the command line; returns the exit status (0, or 2 for a bad input)."""
-    parser = _parser()
+    parser = _parser(prog)
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_yaml_config(args.config, args.overrides)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         report = evaluate(cfg, load_path=None if args.model else cfg.get("load_path"), model=args.model,
                           quantization=args.quantize, backend=args.backend, compile=args.compile)
     except (CliError, ValueError, FileNotFoundError) as error:
-        print(f"eval.py: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     print(f"{report.get('checkpoint') or report.get('model')}: {report['num_parameters']:,} parameters, "
           f"vocabulary {report['vocab_size']}, sequences of {report['seq_len']} tokens")
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = write_report(report, output)
     except OSError as error:
-        print(f"eval.py: error: cannot write the results to {output}: {error}", file=sys.stderr)
+        print(f"{prog}: error: cannot write the results to {output}: {error}", file=sys.stderr)
         return 1
     print(f"results: {path} ({report['wall_seconds']:.0f} s in all)")
     return 0

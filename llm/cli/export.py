@@ -14,8 +14,11 @@ from llm.cli.common import ArgumentParser
 from llm.formats.gguf.writer import GGUF_TYPES
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="export.py", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "export.py") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  llm export --model runs/shakespeare/model --to gguf --gguf-type q8_0 "
+                              "--out shakespeare.gguf\n  llm export --model runs/shakespeare/model --to transformers "
+                              "--out shakespeare-hf")
     p.add_argument("--model", required=True,
                    help="a saved model folder, a registered name, a .gguf file, or a Composer checkpoint (.pt) with --config")
     p.add_argument("--config", help="the training YAML of a checkpoint (its model and tokenizer)")
@@ -52,10 +55,10 @@ def _load(args):
     return MosaicGPT.from_pretrained(args.model, quantization="none"), load_tokenizer(args.model)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "export.py") -> int:
     """Run the export; returns the exit status (0; 2 with one line for a bad input; 1 with one line
     when the file system refuses the write)."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.to == "transformers" and args.gguf_type != "f32":
         parser.error("--gguf-type is for --to gguf")
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError) as err:
         parser.error(str(err))
     except OSError as err:  # the disk's answer: permissions, a read-only or full file system
-        print(f"export.py: error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+        print(f"{prog}: error: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
         return 1
     return 0
 

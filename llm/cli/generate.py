@@ -46,8 +46,11 @@ def _option(name: str, parse=int):
     return convert
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="generate.py", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  llm generate --model smollm2-135m-instruct --chat --stream "
+                              "--prompt \"What is the capital of France?\"\n  llm generate --model runs/shakespeare/model "
+                              "--prompt \"ROMEO:\" --max-new-tokens 200")
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
@@ -201,9 +204,9 @@ def _generation_config(args, tokenizer, prog: str) -> GenerationConfig:
     return options
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     """Run the CLI; returns the exit status (0, or 2 through argparse for bad input)."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     prompts = _prompts(args, parser)
     if args.speculative == "draft" and not args.draft_model:

@@ -35,9 +35,10 @@ def _fraction(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  llm prepare my_texts/ --tokenizer bpe:4096 --seq-len 1024 --out data/mine")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, folders (searched recursively) or glob patterns: .txt/.md text, .jsonl/.json "
                         "JSON Lines, .parquet, or folders saved by Hugging Face datasets' save_to_disk")
@@ -78,10 +79,10 @@ def summary(manifest: dict, out: str | Path) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """Run the command; returns the exit status: 0, 2 for bad input, 130 if interrupted."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     logger = logging.getLogger("llm.data")
@@ -100,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (DataError, OSError) as e:
         message = str(e).replace("\n", " ")
-        print(f"{PROG}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; run the same command again to resume", file=sys.stderr)
+        print(f"{prog}: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     finally:
         logger.removeHandler(handler)

@@ -17,8 +17,11 @@ from pathlib import Path
 from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="serve.py", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  llm serve --model smollm2-135m-instruct --port 8000 --max-batch-size 16\n"
+                              "  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' "
+                              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--served-model-name", help="the model's id in the API (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
@@ -67,10 +70,10 @@ def loader(args):
     return load
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     """Run the server until interrupted; returns the exit status (2 for bad flags or a --model that
     does not exist, 1 if it cannot listen or the model fails to load)."""
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     from llm.utils.pretrained import PRETRAINED
 
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         listening = socket.create_server((args.host, args.port), family=family)
     except OSError as err:  # gaierror for a host that does not resolve
-        print(f"serve.py: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        print(f"{prog}: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
         return 1
     import uvicorn
 
@@ -105,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a requested stop
         pass
     if failures:
-        print(f"serve.py: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
+        print(f"{prog}: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
         return 1
     if any(t.name == "llm-loader" and t.is_alive() for t in threading.enumerate()):
         # Stopped while the model loads: the interpreter's teardown under a thread inside torch
         # aborts the process ("terminate called without an active exception"), so leave now.
-        print("serve.py: stopped while the model was loading", file=sys.stderr, flush=True)
+        print(f"{prog}: stopped while the model was loading", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(0)
     return 0

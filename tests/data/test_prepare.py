@@ -20,11 +20,11 @@ from transformers import PreTrainedTokenizerFast
 import llm.data.prepare as prepare_module
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.cli.prepare import main
-from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.prepare import in_validation, load_manifest, prepare
 from llm.data.sources import DataError
 from llm.data.tokenizer import tokenizer_hash, train_tokenizer
+from llm.utils.pretrained import pretrained_path
 
 SEQ_LEN = 32
 FAST = dict(seq_len=SEQ_LEN, workers=1, progress=False)
@@ -129,7 +129,7 @@ def test_every_tokenizer_spec_gives_the_reference_rows(spec, corpus, bpe, tmp_pa
 
 
 def test_registered_and_gguf_tokenizers(corpus, tmp_path):
-    gguf = REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]
+    gguf = pretrained_path("smollm2-135m-instruct")
     if not gguf.is_file():
         pytest.skip(f"{gguf} is missing (make data)")
     train_dir, _, train, _ = corpus

@@ -7,7 +7,6 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import EOS_TOKEN, build_char_tokenizer, markdown_to_text, play_paths, train_bpe_tokenizer
 from llm.data.sources import DataError
 from llm.data.tokenizer import (
@@ -20,8 +19,9 @@ from llm.data.tokenizer import (
     train_tokenizer,
     trained_spec,
 )
+from llm.utils.pretrained import pretrained_path
 
-GGUF = REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]
+GGUF = pretrained_path("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llm import MosaicGPT, load_tokenizer
-from llm.utils.pretrained import PRETRAINED, REPO_ROOT
+from llm.utils.pretrained import REPO_ROOT
 from llm.data import build_char_tokenizer
 from llm.data.tokenizer import train_tokenizer
 from llm.cli.export import main as export_main
@@ -23,9 +23,10 @@ from llm.formats.gguf import save_gguf
 from llm.formats.transformers import save_transformers
 from llm.kernels import cpu_quant
 from llm.quant.quantize import projections
+from llm.utils.pretrained import pretrained_path
 from tests.conftest import tiny_model
 
-SMOLLM2 = REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]
+SMOLLM2 = pretrained_path("smollm2-135m-instruct")
 TEXT = "to be, or not to be, that is the question: whether tis nobler in the mind to suffer"
 
 
@@ -185,7 +186,7 @@ def test_gguf_refuses_what_llama_cpp_cannot_read(tmp_path, chars, bpe):
 @pytest.fixture(scope="module")
 def smollm2():
     if not SMOLLM2.is_file():
-        pytest.skip("SmolLM2 is fetched by make install")
+        pytest.skip("SmolLM2 is fetched by make install (llm fetch smollm2-135m-instruct)")
     return MosaicGPT.from_pretrained("smollm2-135m-instruct", quantization="none"), load_tokenizer("smollm2-135m-instruct")
 
 

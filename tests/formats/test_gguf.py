@@ -11,19 +11,20 @@ import pytest
 import torch
 
 from llm import DynamicCache, MosaicGPT
-from llm.formats import PRETRAINED, gguf_tokenizer, load_gguf, load_tokenizer
+from llm.formats import gguf_tokenizer, load_gguf, load_tokenizer
 from llm.formats.gguf import reader as gguf_module
 from llm.utils.gguf import _reader_class
 from llm.utils.pretrained import REPO_ROOT
+from llm.utils.pretrained import pretrained_path
 
 torch.set_num_threads(1)
 
 NAME = "smollm2-135m-instruct"
-GGUF = REPO_ROOT / PRETRAINED[NAME]
+GGUF = pretrained_path(NAME)
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "Once upon a time, in a small village by the sea, there"]
 PAD = 2  # <|im_end|>, the file's padding token
-needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `make data`")
+needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `llm fetch {NAME}`")
 
 
 def fast_transformers_gguf(monkeypatch):
@@ -245,10 +246,10 @@ def test_missing_files(tmp_path, monkeypatch):
         MosaicGPT.from_pretrained(tmp_path / "nope.gguf")
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_tokenizer(tmp_path / "nope.gguf")
-    monkeypatch.setitem(PRETRAINED, NAME, tmp_path / "absent.gguf")
-    with pytest.raises(FileNotFoundError, match="make data"):
+    monkeypatch.setenv("LLM_HOME", str(tmp_path / "home"))  # where nothing is fetched
+    with pytest.raises(FileNotFoundError, match=f"is not fetched .*run `llm fetch {NAME}`"):
         MosaicGPT.from_pretrained(NAME)
-    with pytest.raises(FileNotFoundError, match="make data"):
+    with pytest.raises(FileNotFoundError, match=f"run `llm fetch {NAME}`"):
         load_tokenizer(NAME)
     with pytest.raises(FileNotFoundError, match="registered"):
         MosaicGPT.from_pretrained(tmp_path / "no-such-model")

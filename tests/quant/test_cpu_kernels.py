@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from llm import MosaicGPT
-from llm.formats import PRETRAINED
 from llm.formats.gguf.reader import load_gguf
 from llm.generation import compiled
 from llm.kernels import cpu_quant
 from llm.layers.attention import attention_heads
 from llm.quant import Int4Linear, Int8Embedding, Int8Linear, quantize
 from llm.quant.quantize import check_backend, layer_kernels
+from llm.utils.pretrained import pretrained_path
 from tests.conftest import tiny_model
 from tests.quant.test_quant import int8_activations
 
 ROOT = Path(__file__).resolve().parents[2]
-GGUF = ROOT / PRETRAINED["smollm2-135m-instruct"]
+GGUF = pretrained_path("smollm2-135m-instruct")
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
 

@@ -13,16 +13,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from llm import MosaicGPT
-from llm.formats import PRETRAINED
 from llm.kernels import cpu_quant
 from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf
 from llm.utils.gguf import read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import int4_groups
 from llm.quant.quantize import default_activation_dtype
+from llm.utils.pretrained import pretrained_path
 from tests.conftest import tiny_model
 
-GGUF = Path(__file__).resolve().parents[2] / PRETRAINED["smollm2-135m-instruct"]
+GGUF = pretrained_path("smollm2-135m-instruct")
 needs_file = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `make data`")
 
 

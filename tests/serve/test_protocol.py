@@ -44,9 +44,9 @@ def test_an_incomplete_utf8_character_waits_for_its_last_byte():
 
 
 def _has_smollm2() -> bool:
-    from llm.utils.pretrained import PRETRAINED, REPO_ROOT
+    from llm.utils.pretrained import pretrained_path
 
-    return (REPO_ROOT / PRETRAINED["smollm2-135m-instruct"]).is_file()
+    return pretrained_path("smollm2-135m-instruct").is_file()
 
 
 def test_choices_of_several_prompts_get_their_seeds_and_defaults(chars):

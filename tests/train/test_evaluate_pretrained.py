@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from llm.utils.pretrained import PRETRAINED, REPO_ROOT
 from llm.data import markdown_to_text, play_paths
 from llm.data.prepare import prepare
 from llm.train.evaluate import evaluate
+from llm.utils.pretrained import pretrained_path
 
 torch.set_num_threads(1)
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.mark.skipif(not (REPO_ROOT / PRETRAINED[NAME]).is_file(), reason="run `make data` for the SmolLM2 file")
+@pytest.mark.skipif(not pretrained_path(NAME).is_file(), reason="run `llm fetch smollm2-135m-instruct` for the SmolLM2 file")
 def test_smollm2_on_held_out_shakespeare(tmp_path):
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "hamlet.txt").write_text(markdown_to_text(play_paths()["hamlet"].read_text())[:20_000])
