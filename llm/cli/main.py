@@ -49,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"llm: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return module.main(argv[1:], prog=f"llm {command}")
+    from llm.utils.extras import MissingExtra
+
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return module.main(argv[1:], prog=f"llm {command}")
+    except MissingExtra as err:
+        print(f"llm {command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 
+from llm.utils.extras import require
+
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
 SPLIT_MODES = ("file", "blank-line", "line")
 ENCODING_ERRORS = ("strict", "replace")
@@ -318,6 +320,7 @@ def _null(path: Path, row: int, field: str) -> DataError:
 
 
 def _parquet_units(path: Path, field: str) -> Iterator[tuple[str, int]]:
+    require("train", "pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -27,8 +27,13 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from streaming import Stream, StreamingDataset
-from streaming.base.format.mds.reader import MDSReader
+
+from llm.utils.extras import require
+
+require("train", "streaming")
+
+from streaming import Stream, StreamingDataset  # noqa: E402
+from streaming.base.format.mds.reader import MDSReader  # noqa: E402
 
 MANIFEST = "llm_data.json"
 TOKENIZER_DIR = "tokenizer"

@@ -7,6 +7,10 @@
 * :mod:`llm.train.callbacks`, :mod:`llm.train.checkpointing`: curves, saved config, atomic checkpoints.
 """
 
-from llm.train.trainer import build_trainer, resolve_config, train
+from llm.utils.extras import require
+
+require("train", "composer", "streaming")
+
+from llm.train.trainer import build_trainer, resolve_config, train  # noqa: E402
 
 __all__ = ["build_trainer", "resolve_config", "train"]
