@@ -77,6 +77,7 @@ train: install
 
 test: install
 	$(VENV)/bin/lint-imports --no-cache
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q -n auto --dist loadfile
 
 # llama.cpp as a benchmark peer (python -m benchmarks.generate --fast, python -m benchmarks.serve), in a venv of its own: never .venv, never CI.

@@ -1,7 +1,10 @@
-"""Every ```python and ```bash block of README.md runs, as written, in a work folder like a user's.
+"""Every ```python and ```bash block of README.md and of the docs site's pages (in the order of
+``mkdocs.yml``'s nav) runs, as written, in a work folder like a user's; a block that repeats an
+earlier one word for word runs once.
 
 The work folder (a session fixture) mirrors a checkout after ``make install``: ``configs/``,
-``scripts/``, ``models/`` and ``.venv`` are links to the repository's, and ``runs/`` starts empty.
+``scripts/`` and ``.venv`` are links to the repository's (registered models are in ``$LLM_HOME``),
+and ``runs/`` starts empty.
 What would take minutes on two cores is substituted; the whole table is here:
 
 * ``data/shakespeare/{text,bpe-2048}``: a slice of the plays (three training plays and the four
@@ -20,7 +23,7 @@ What would take minutes on two cores is substituted; the whole table is here:
   ``composer -n 2`` (two processes; ``tests/train/test_ddp.py`` covers data-parallel training), and
   ``make bench-peers`` (it builds llama.cpp from source and benchmarks for many minutes; never CI).
 
-Each block is one test, named by its README line (``README.md:253``).
+Each block is one test, named by its file and line (``README.md:53``, ``docs/training.md:12``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+
+
+def documents() -> list[Path]:
+    """README.md, then the docs pages in the site's order."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [README] + [ROOT / "docs" / next(iter(item.values())) for item in nav]
 PYTHON = ROOT / ".venv" / "bin" / "python"
 if not PYTHON.exists():
     PYTHON = Path(sys.executable)
@@ -46,20 +57,26 @@ EVAL_OVERRIDES = "eval_max_sequences=2 eval_seq_len=64 device_eval_batch_size=2"
 SKIP_PREFIXES = ("make train", "make test", "make bench-peers", ".venv-peers/", ".venv/bin/composer -n 2", "composer -n 2")
 
 
-def readme_blocks() -> list[tuple[int, str, str]]:
-    """``(line of the opening fence, language, code)`` for every python and bash block."""
-    blocks, lang, start, body = [], None, 0, []
-    for number, line in enumerate(README.read_text().splitlines(), 1):
-        if lang is None:
-            m = re.match(r"^```(\w*)\s*$", line)
-            if m:
-                lang, start, body = m.group(1) or "text", number, []
-        elif line.startswith("```"):
-            if lang in ("python", "bash", "sh", "shell"):
-                blocks.append((start, "python" if lang == "python" else "bash", "\n".join(body) + "\n"))
-            lang = None
-        else:
-            body.append(line)
+def readme_blocks() -> list[tuple[str, str, str]]:
+    """``(file:line of the opening fence, language, code)`` for every python and bash block of the
+    documents, each distinct block once."""
+    blocks, seen = [], set()
+    for document in documents():
+        lang, start, body = None, 0, []
+        for number, line in enumerate(document.read_text().splitlines(), 1):
+            if lang is None:
+                m = re.match(r"^```(\w*)\s*$", line)
+                if m:
+                    lang, start, body = m.group(1) or "text", number, []
+            elif line.startswith("```"):
+                code = "\n".join(body) + "\n"
+                if lang in ("python", "bash", "sh", "shell") and code not in seen:
+                    seen.add(code)
+                    blocks.append((f"{document.relative_to(ROOT)}:{start}", "python" if lang == "python" else "bash",
+                                   code))
+                lang = None
+            else:
+                body.append(line)
     return blocks
 
 
@@ -86,9 +103,9 @@ def substitute(command: str) -> str | None:
     m = re.search(r"\s+#[^'\"]*$", command)
     if m:
         code, comment = command[:m.start()], command[m.start():]
-    if "scripts/train.py" in code:
+    if "scripts/train.py" in code or re.search(r"\bllm train\b", code):
         code += " " + TRAIN_OVERRIDES
-    elif "scripts/eval.py" in code:
+    elif "scripts/eval.py" in code or re.search(r"\bllm eval\b", code):
         code += " " + EVAL_OVERRIDES
     elif "scripts/generate.py" in code and "smollm2-135m-instruct" in code:
         code = code.replace(" --compile", "") + " --max-new-tokens 8"
@@ -131,21 +148,22 @@ def environment() -> dict:
     return env
 
 
-@pytest.mark.parametrize("start,lang,code", [pytest.param(*b, id=f"README.md:{b[0]}") for b in readme_blocks()])
+@pytest.mark.parametrize("start,lang,code", [pytest.param(*b, id=b[0]) for b in readme_blocks()])
 def test_readme_block(workdir, start, lang, code):
+    name = re.sub(r"[^\w]+", "_", start)  # README.md:53 -> README_md_53
     if lang == "python":
-        script = workdir / f"readme_{start}.py"
+        script = workdir / f"{name}.py"
         script.write_text(code)
         argv = [str(PYTHON), script.name]
     else:
         commands = [c for c in map(substitute, shell_commands(code)) if c is not None]
         if not commands:
             pytest.skip("nothing to run here (make targets)")
-        script = workdir / f"readme_{start}.sh"
+        script = workdir / f"{name}.sh"
         script.write_text("set -euo pipefail\n" + "\n".join(commands) + "\n")
         argv = ["bash", script.name]
     done = subprocess.run(argv, cwd=workdir, env=environment(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (
-        f"README.md:{start} ({lang}) failed with status {done.returncode}\n--- ran:\n{script.read_text()}"
+        f"{start} ({lang}) failed with status {done.returncode}\n--- ran:\n{script.read_text()}"
         f"\n--- stdout:\n{done.stdout[-4000:]}\n--- stderr:\n{done.stderr[-4000:]}"
     )

@@ -1,0 +1,18 @@
+"""llm: a MosaicGPT-style decoder-only transformer with a correct, fast KV cache."""
+
+from llm.cache import Cache, DynamicCache, StaticCache
+from llm.config import MosaicGPTConfig
+from llm.data.tokenizer import load_tokenizer
+from llm.generation import GenerateOutput, GenerationConfig, generate, stream
+from llm.layers.attention import scaled_multihead_dot_product_attention
+from llm.model import CausalLMOutput, MosaicGPT
+from llm.quant import quantize
+
+# The formats layer registers its loaders (GGUF files, registered names) in llm.bundle.LOADERS, which
+# MosaicGPT.from_pretrained reads: the model cannot import the formats that build it.
+import llm.formats  # noqa: E402,F401  isort: skip
+
+__all__ = [
+    "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "GenerationConfig", "MosaicGPT", "MosaicGPTConfig",
+    "StaticCache", "generate", "load_tokenizer", "quantize", "scaled_multihead_dot_product_attention", "stream",
+]

@@ -1,0 +1,1 @@
+"""Command-line entry points (the ``scripts/*.py`` wrappers call their ``main``)."""

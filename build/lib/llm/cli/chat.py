@@ -1,0 +1,102 @@
+"""``llm chat --model NAME``: talk to a chat model turn by turn on the terminal (one line per turn;
+an empty line or end of input ends the chat).
+
+The answer streams as it is decoded. The conversation's KV cache is kept between turns: each turn
+re-renders the whole conversation with the tokenizer's chat template and prefills only what
+follows the longest prefix the cache already holds (cached == uncached, so the answer is the one a
+fresh start would give).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
+
+EXAMPLE = """example:
+  llm chat --model smollm2-135m-instruct --system "You answer in one sentence."
+"""
+
+
+def build_parser(prog: str = "llm chat") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""), epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
+    p.add_argument("--system", help="a system prompt")
+    p.add_argument("--max-new-tokens", type=integer(), default=256, help="the longest answer, in tokens")
+    p.add_argument("--temperature", type=float, help="0 for greedy decoding (default: the model's generation config)")
+    p.add_argument("--seed", type=integer(0))
+    add_model_arguments(p, compile_help="decode through torch.compile over a static cache")
+    return p
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
+    """Run the chat until an empty line or end of input; returns the exit status (2 for a bad input)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    import torch
+
+    from llm.cache import DynamicCache
+    from llm.data.tokenizer import load_tokenizer
+    from llm.generation.generate import stream
+    from llm.model import MosaicGPT
+
+    try:
+        set_threads(args.threads)
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                                          quantization=args.quantize, backend=args.backend)
+        tokenizer = load_tokenizer(args.model)
+        if not tokenizer.chat_template:
+            parser.error(f"the tokenizer of {args.model} has no chat template")
+        overrides = {"max_new_tokens": args.max_new_tokens}
+        if args.temperature is not None:
+            overrides.update(do_sample=args.temperature > 0, temperature=args.temperature or 1.0)
+        if args.seed is not None:
+            overrides["seed"] = args.seed
+        # the model's eos id if its generation config has one, else the tokenizer's (the end of a turn)
+        if model.generation_config.eos_token_id is None:
+            overrides["eos_token_id"] = tokenizer.eos_token_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # greedy decoding under a model's sampling defaults
+            options = model.generation_config.update(**overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cache, cached_ids = DynamicCache(), []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.strip()})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        keep = min(_common_prefix(cached_ids, ids), len(ids) - 1)  # at least one new token to prefill
+        cache.crop(keep)
+        answer, printed = [], ""
+        for token in stream(model, torch.tensor([ids], device=model.device), past_key_values=cache,
+                            generation_config=options, tokenizer=tokenizer, compile=args.compile):
+            answer.extend(token.view(-1).tolist())
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next token
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+        print(flush=True)
+        messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
+        cached_ids = ids + answer[:-1]  # the last token was sampled, never fed back
+
+
+if __name__ == "__main__":
+    sys.exit(main())

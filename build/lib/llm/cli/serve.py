@@ -1,0 +1,123 @@
+"""Serve a model over an OpenAI-compatible HTTP API: `python scripts/serve.py --model M`.
+
+Continuous batching (requests join and leave the running batch at every step), prefix caching,
+streaming; GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
+
+
+def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  llm serve --model smollm2-135m-instruct --port 8000 --max-batch-size 16\n"
+                              "  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' "
+                              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")
+    p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
+    p.add_argument("--served-model-name", help="the model's id in the API (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
+                                                       "only; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="the TCP port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch-size", type=integer(), default=8,
+                   help="the most sequences decoding at once (default 8)")
+    p.add_argument("--max-queue", type=integer(), default=64,
+                   help="the most sequences waiting for a slot; beyond it requests get 429 (default 64)")
+    p.add_argument("--prefix-cache-tokens", type=integer(0), default=4096,
+                   help="positions of computed prompts kept for reuse by later prompts that start with them "
+                        "(least recently used evicted; 0: off; default 4096)")
+    add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
+                        "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return p
+
+
+def loader(args):
+    """The function that loads what ``args`` asks to serve (run by the server after it starts)."""
+
+    def load():
+        import torch
+
+        from llm.generation.config import load_generation_config
+        from llm.data.tokenizer import load_tokenizer
+        from llm.generation.config import GenerationConfig
+        from llm.model import MosaicGPT
+        from llm.serve.engine import Engine
+        from llm.serve.http import Served
+
+        set_threads(args.threads)
+        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                                          quantization=args.quantize, backend=args.backend)
+        tokenizer = load_tokenizer(args.model)
+        # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
+        defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
+        if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:
+            defaults = defaults.update(eos_token_id=tokenizer.eos_token_id)
+        engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                        prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile).start()
+        logging.getLogger("llm.serve").info("serving %s (%s parameters)", args.served_model_name or args.model,
+                                            f"{sum(p.numel() for p in model.parameters()):,}")
+        return Served(engine, tokenizer, args.served_model_name or args.model, defaults, model.config.max_seq_len)
+
+    return load
+
+
+def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
+    """Run the server until interrupted; returns the exit status (2 for bad flags or a --model that
+    does not exist, 1 if it cannot listen or the model fails to load)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    from llm.utils.pretrained import PRETRAINED
+
+    if not Path(args.model).exists() and args.model not in PRETRAINED:
+        parser.error(f"--model {args.model}: no such folder or .gguf file, and not a registered name "
+                     f"({', '.join(sorted(PRETRAINED))})")
+    # Listen before anything starts, so that a taken port or an unknown host is one line here.
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        listening = socket.create_server((args.host, args.port), family=family)
+    except OSError as err:  # gaierror for a host that does not resolve
+        print(f"{prog}: error: cannot listen on {args.host}:{args.port}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    import uvicorn
+
+    from llm.serve.http import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failures, server = [], None
+
+    def failed(message: str) -> None:  # a server without its model serves nothing: stop it
+        failures.append(message)
+        server.should_exit = True
+
+    app = create_app(loader(args), on_failure=failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    host, port = listening.getsockname()[:2]
+    logging.getLogger("llm.serve").info("listening on http://%s:%d (Ctrl+C to stop)",
+                                        f"[{host}]" if ":" in host else host, port)
+    try:
+        server.run(sockets=[listening])
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again: a requested stop
+        pass
+    if failures:
+        print(f"{prog}: error: loading {args.model} failed: {failures[0]}", file=sys.stderr)
+        return 1
+    if any(t.name == "llm-loader" and t.is_alive() for t in threading.enumerate()):
+        # Stopped while the model loads: the interpreter's teardown under a thread inside torch
+        # aborts the process ("terminate called without an active exception"), so leave now.
+        print(f"{prog}: stopped while the model was loading", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""Load Llama-architecture GGUF files (llama.cpp's format) into MosaicGPT (their tokenizers:
+:mod:`llm.data.gguf_tokenizer`; their metadata: :mod:`llm.utils.gguf`).
+
+GGUF stores each tensor's dimensions innermost first; the ``gguf`` package's reader already gives
+them outermost first (``(out_features, in_features)`` for a linear weight), which is torch's order.
+Quantized tensors (Q4_0, Q4_1, Q8_0, K-quants, ...) are dequantized to float32 with
+``gguf.quants.dequantize``.
+
+llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of every query and key projection so that
+the two halves of each rotary pair sit next to each other (GPT-J "interleaved" layout, which its
+rope kernel expects). MosaicGPT, like transformers' Llama, rotates the two HALVES of each head
+(``rotate_half``), so the permutation is undone here, as transformers does in
+``LlamaTensorProcessor._reverse_permute_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from llm.config import MosaicGPTConfig
+from llm.model import MosaicGPT
+from llm.quant import Int4Linear, Int8Linear, quantize
+from llm.quant.modules import QuantizationReport, int8_rows
+from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
+from llm.utils.gguf import _MISSING, read_gguf
+from llm.utils.gguf import field as _field
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def _architecture(reader) -> str:
+    arch = _field(reader, "general.architecture", None)
+    if arch is None:
+        raise ValueError(f"GGUF file {reader.path} has no general.architecture: not a model file")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {reader.path} holds a {arch!r} model; supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _per_model_int(reader, key: str, default: Any = _MISSING) -> int:
+    """An integer hyper-parameter; llama.cpp allows a per-layer array, which must be uniform here."""
+    value = _field(reader, key, default)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF file {reader.path}: {key} varies per layer ({value}); not supported")
+        value = value[0]
+    return int(value)
+
+
+def gguf_config(source, attn_impl: str = "sdpa") -> MosaicGPTConfig:
+    """The MosaicGPTConfig of a Llama GGUF file (a path, or a reader from :func:`read_gguf`).
+
+    Raises:
+        ValueError: for another architecture, or Llama options MosaicGPT does not implement
+            (rope scaling, partial rotary, a head size other than d_model / n_heads, experts).
+    """
+    reader = source if hasattr(source, "fields") else read_gguf(source)
+    arch = _architecture(reader)
+    a = f"{arch}."
+    d_model = _per_model_int(reader, a + "embedding_length")
+    n_heads = _per_model_int(reader, a + "attention.head_count")
+    kv_n_heads = _per_model_int(reader, a + "attention.head_count_kv", n_heads)
+    head_dim = d_model // n_heads
+    problems = []
+    if d_model % n_heads:
+        problems.append(f"embedding_length {d_model} is not a multiple of head_count {n_heads}")
+    for key in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
+        value = _field(reader, a + key, None)
+        if value is not None and int(value) != head_dim:
+            problems.append(f"{key}={value} differs from d_model/n_heads={head_dim}")
+    scaling = _field(reader, a + "rope.scaling.type", "none")
+    factor = float(_field(reader, a + "rope.scaling.factor", 1.0))
+    if scaling not in ("none", "") and factor != 1.0:
+        problems.append(f"rope scaling {scaling!r} (factor {factor})")
+    if int(_field(reader, a + "expert_count", 0) or 0) > 0:
+        problems.append("mixture of experts")
+    if problems:
+        raise ValueError(f"GGUF file {reader.path}: unsupported Llama options: " + "; ".join(problems))
+
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab_size = len(tokens.data)
+    elif a + "vocab_size" in reader.fields:
+        vocab_size = int(_field(reader, a + "vocab_size"))
+    elif embd is not None:
+        vocab_size = int(embd.shape[-1])
+    else:
+        raise ValueError(f"GGUF file {reader.path} has neither a token list nor token_embd.weight")
+    return MosaicGPTConfig(
+        vocab_size=vocab_size,
+        max_seq_len=int(_field(reader, a + "context_length")),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_layers=int(_field(reader, a + "block_count")),
+        kv_n_heads=kv_n_heads,
+        ffn_hidden_size=_per_model_int(reader, a + "feed_forward_length"),
+        rope_theta=float(_field(reader, a + "rope.freq_base", 10000.0)),
+        layer_norm_epsilon=float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        learned_pos_emb=False, rope=True, alibi=False, ffn_type="glu", ffn_act="silu", norm_type="rmsnorm",
+        no_bias=True, tie_word_embeddings="output.weight" not in names, attn_impl=attn_impl,
+    )
+
+
+def _dequantizable(qtype) -> bool:
+    from gguf import GGMLQuantizationType
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)
+    if traits is None:  # a gguf version without the private table: find out when dequantizing
+        return True
+    return qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or qtype in traits
+
+
+_DEQUANTIZE_ROWS = 4096
+
+
+def _dequantize(tensor, path, rows: slice | None = None) -> torch.Tensor:
+    """A GGUF tensor dequantized to float32 (only ``rows`` of a matrix, if given)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
+    data = tensor.data
+    if rows is not None:
+        data = data[rows]
+        shape = (len(data), *shape[1:])
+    try:
+        if data.ndim == 2 and len(shape) == 2 and data.shape[0] == shape[0]:
+            # row blocks: gguf's numpy dequantization makes float temporaries a few times the
+            # size of its input, which for a vocabulary-sized table is most of a load's peak RSS
+            array = np.empty(shape, dtype=np.float32)
+            for start in range(0, shape[0], _DEQUANTIZE_ROWS):
+                rows = data[start:start + _DEQUANTIZE_ROWS]
+                array[start:start + len(rows)] = np.asarray(dequantize(rows, tensor.tensor_type)).reshape(len(rows), -1)
+        else:
+            array = np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    except NotImplementedError as err:
+        raise ValueError(
+            f"GGUF file {path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+            f"which gguf cannot dequantize"
+        ) from err
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        # F32 tensors are read-only views of the file mapping: copy so torch owns writable memory.
+        array = np.array(array, dtype=np.float32, order="C", copy=True)
+    return torch.from_numpy(array)
+
+
+def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of a query/key projection's rows.
+
+    llama.cpp's converter does ``w.reshape(n_heads, 2, head_dim // 2, in).swapaxes(1, 2)`` (each
+    head's two halves interleaved); this is the inverse.
+    """
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _sources(reader, config: MosaicGPTConfig) -> dict[str, list[tuple[Any, int | None]]]:
+    """Where each of MosaicGPT's tensors comes from: a list of (GGUF tensor, heads to unpermute
+    or None) whose rows are concatenated (the fused Wqkv takes three). Checked before anything
+    is read: every tensor present, none unexpected, every shape as the config needs.
+
+    Raises:
+        ValueError: for a tensor of a type gguf cannot dequantize (naming tensor and type), an
+            unexpected or missing tensor, or a tensor of the wrong shape.
+    """
+    path = reader.path
+    for t in reader.tensors:
+        if not _dequantizable(t.tensor_type):
+            raise ValueError(
+                f"GGUF file {path}: tensor {t.name!r} has quantization type {t.tensor_type.name}, "
+                f"which gguf cannot dequantize"
+            )
+    head_dim, h, kv = config.head_dim, config.n_heads, config.kv_n_heads
+    own = {"token_embd.weight": "wte.weight", "output_norm.weight": "norm_f.weight"}
+    if not config.tie_word_embeddings:
+        own["output.weight"] = "lm_head.weight"
+    for i in range(config.n_layers):
+        own.update({
+            f"blk.{i}.attn_norm.weight": f"blocks.{i}.norm_1.weight",
+            f"blk.{i}.attn_output.weight": f"blocks.{i}.attn.out_proj.weight",
+            f"blk.{i}.ffn_norm.weight": f"blocks.{i}.norm_2.weight",
+            f"blk.{i}.ffn_gate.weight": f"blocks.{i}.ffn.gate_proj.weight",
+            f"blk.{i}.ffn_up.weight": f"blocks.{i}.ffn.up_proj.weight",
+            f"blk.{i}.ffn_down.weight": f"blocks.{i}.ffn.down_proj.weight",
+        })
+        for part in "qkv":
+            own[f"blk.{i}.attn_{part}.weight"] = None  # fused below
+    tensors = {t.name: t for t in reader.tensors}
+    unexpected = sorted(set(tensors) - set(own))
+    missing = sorted(set(own) - set(tensors))
+    if unexpected or missing:
+        raise ValueError(
+            f"GGUF file {path} does not hold a Llama model MosaicGPT can load: "
+            + "; ".join([f"unexpected tensor(s) {unexpected[:8]}"] * bool(unexpected)
+                        + [f"missing tensor(s) {missing[:8]}"] * bool(missing))
+        )
+
+    def shape(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+
+    sources = {ours: [(tensors[name], None)] for name, ours in own.items() if ours is not None}
+    for i in range(config.n_layers):
+        parts = [(tensors[f"blk.{i}.attn_{p}.weight"], heads) for p, heads in (("q", h), ("k", kv), ("v", None))]
+        for (t, _), name, want in zip(parts, ("attn_q", "attn_k", "attn_v"),
+                                      ((h * head_dim, config.d_model), (kv * head_dim, config.d_model),
+                                       (kv * head_dim, config.d_model))):
+            if shape(t) != want:
+                raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {shape(t)}, expected {want}")
+        sources[f"blocks.{i}.attn.Wqkv.weight"] = parts
+    expected = MosaicGPT.empty(config).state_dict()
+    wrong = [f"{k}: file has {shape(parts[0][0])}, config needs {tuple(expected[k].shape)}"
+             for k, parts in sources.items() if len(parts) == 1 and shape(parts[0][0]) != tuple(expected[k].shape)]
+    if wrong:
+        raise ValueError(f"GGUF file {path}: tensors do not fit its metadata: " + "; ".join(wrong[:8]))
+    return sources
+
+
+def _float(parts, path) -> torch.Tensor:
+    """A tensor from its sources (see :func:`_sources`), dequantized to float32."""
+    pieces = [_dequantize(t, path) for t, _ in parts]
+    pieces = [_unpermute(w, heads) if heads else w for w, (_, heads) in zip(pieces, parts)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
+    from its GGUF tensor, dequantized a block of rows at a time: a float32 copy of a whole
+    vocabulary-sized table would be most of a 4-bit model's peak memory."""
+    (tensor, _), = parts  # one source, never permuted (only query and key rows are)
+    rows = int(tensor.shape[-1])
+    codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    for start in range(0, rows, _DEQUANTIZE_ROWS):
+        block = slice(start, start + _DEQUANTIZE_ROWS)
+        codes[block], scales[block] = int8_rows(_dequantize(tensor, path, block))
+    return codes, scales
+
+
+def gguf_state_dict(reader, config: MosaicGPTConfig) -> dict[str, torch.Tensor]:
+    """MosaicGPT's float32 state dict from an open Llama GGUF file, with ``config`` from :func:`gguf_config`.
+
+    Raises:
+        ValueError: as :func:`_sources`.
+    """
+    return {name: _float(parts, reader.path) for name, parts in _sources(reader, config).items()}
+
+
+#: Bits per weight of GGUF types (rounded down): 6 or more are kept as int8, fewer as int4.
+_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q8_1": 8, "Q8_K": 8, "Q6_K": 6, "Q5_0": 5, "Q5_1": 5,
+         "Q5_K": 5, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q3_K": 3, "Q2_K": 2}
+
+#: Bytes per block of 32 weights of the 4-bit types kept as int4 groups: (fp16 d[, fp16 m], 16 bytes of nibbles).
+_INT4_BLOCKS = {"Q4_0": 18, "Q4_1": 20}
+
+
+def int4_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 tensor's own codes, as int4 groups of 32 in the int4 kernel's convention.
+
+    A block of 32 weights holds an fp16 scale ``d`` (Q4_1: and an fp16 minimum ``m``) and 32
+    4-bit codes ``q`` (the low nibbles of its 16 bytes are weights 0-15, the high nibbles 16-31;
+    ggml-quants.c ``dequantize_row_q4_0/1``). Q4_0 means ``w = (q - 8) d`` and Q4_1
+    ``w = q d + m``; the kernel computes ``(q - 8) scale + zero``, so scale = d and zero = 0
+    (Q4_0) or ``m + 8 d`` (Q4_1). The codes are the file's own; nothing is requantized.
+
+    Returns:
+        (codes uint8 (rows, cols) in [0, 15], scales float32 (rows, cols // 32), zeros float32
+        (rows, cols // 32)).
+    """
+    name = tensor.tensor_type.name
+    rows = int(tensor.shape[1:].prod()) if len(tensor.shape) > 1 else 1
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1, _INT4_BLOCKS[name]))
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    nibbles = blocks[..., -16:]
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(rows, -1)
+    if name == "Q4_1":
+        zeros = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float() + 8 * d
+    else:
+        zeros = torch.zeros_like(d)
+    return codes, d, zeros
+
+
+def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The int4 groups of a tensor all of whose sources are Q4_0 / Q4_1, rows unpermuted; else None."""
+    if any(t.tensor_type.name not in _INT4_BLOCKS for t, _ in parts):
+        return None
+    pieces = []
+    for t, heads in parts:
+        blocks = int4_blocks(t)
+        pieces.append([_unpermute(b, heads) if heads else b for b in blocks])
+    return tuple(torch.cat(column) for column in zip(*pieces))
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = torch.float32,
+    device: torch.device | str | None = None,
+    attn_impl: str = "sdpa",
+    quantization: str | None = None,
+    group_size: int = 32,
+    backend: str = "auto",
+) -> MosaicGPT:
+    """A MosaicGPT with the weights of a Llama-architecture GGUF file, in eval mode.
+
+    Args:
+        dtype: of the float weights, the activations and the cache (None: float32).
+        quantization: None: ``"gguf"`` if the file's projections are quantized, else ``"none"``
+            (as llama.cpp runs a file: on its own blocks); ``"none"``: every tensor dequantized to
+            float32, then cast to ``dtype``;
+            ``"int8"`` / ``"int4"``: each projection dequantized and quantized at once by
+            :func:`llm.quant.quantize` (the float model is never whole in memory);
+            ``"gguf"``: the file's own quantization where the kernels take it: Q4_0 / Q4_1
+            projections become int4 groups of 32 with the file's codes (:func:`int4_blocks`),
+            their fp16 scales rounded to the kernels' activation dtype (bfloat16 on fast CPUs);
+            projections of other types (Q8_0, K-quants, F16) are dequantized and quantized:
+            8-bit and wider to int8 per row, the rest to int4 groups of 32. The output layer
+            (and a tied embedding) is int8 per row in every mode (a Q8_0 embedding requantized
+            per row: one scale per vocabulary entry instead of one per 32 weights).
+        group_size: int4 group size for ``quantization="int4"``.
+        backend: whose kernels the quantized layers take (see :func:`llm.quant.quantize`).
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+        ValueError: for an unreadable (truncated, corrupt) file, another architecture than Llama
+            (naming it and the supported ones), a tensor type gguf cannot dequantize (naming the
+            tensor and type), Llama options MosaicGPT does not implement, an unknown quantization
+            or backend.
+    """
+    if quantization not in (None, "none", "int8", "int4", "gguf"):
+        raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf', got {quantization!r}")
+    check_backend(backend, device or "cpu")
+    reader = read_gguf(path)
+    config = gguf_config(reader, attn_impl=attn_impl)
+    sources = _sources(reader, config)
+    model = MosaicGPT.empty(config)
+    if quantization is None:
+        quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16")
+                        for name in projections(model) for t, _ in sources[name + ".weight"])
+        quantization = "gguf" if quantized else "none"
+    if quantization == "none":
+        state = {name: _float(parts, reader.path) for name, parts in sources.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.to(device=device, dtype=dtype or torch.float32).eval()
+    owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
+    model.load_state_dict({name: _float(parts, reader.path).to(device=device, dtype=dtype or torch.float32)
+                           for name, parts in sources.items() if name not in owned}, strict=False, assign=True)
+    head = HEAD if model.lm_head is not None else EMBEDDING
+    if quantization in ("int8", "int4"):
+        quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
+                 head=_int8_rows(sources[head + ".weight"], reader.path), backend=backend)
+        return model.eval()
+
+    act = default_activation_dtype(model.device)
+    report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
+    for name in projections(model):
+        parts = sources[name + ".weight"]
+        linear = model.get_submodule(name)
+        native = _native_int4(parts, reader.path)
+        if native is not None:
+            module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act, backend)
+        else:
+            types = sorted({t.tensor_type.name for t, _ in parts})
+            weight = _float(parts, reader.path).to(model.device)
+            if min(_BITS.get(t, 16) for t in types) >= 6:
+                module = Int8Linear.from_float(weight, linear.bias, act, backend)
+                report.kept[name] = f"{'/'.join(types)}: requantized to int8 per row"
+            else:
+                module = Int4Linear.from_float(weight, linear.bias, 32, act, backend)
+                report.kept[name] = f"{'/'.join(types)}: requantized to int4 groups of 32"
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
+        report.quantized.append(name)
+    quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act, backend)
+    report.quantized.append(head)
+    model.quantization = report
+    return model.eval()

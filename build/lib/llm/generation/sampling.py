@@ -1,0 +1,90 @@
+"""Turning next-token logits into tokens: repetition penalty, greedy, temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+import torch
+
+from llm.generation.config import GenerationConfig
+
+
+def filter_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+    top_p: float | None = None, min_p: float | None = None,
+) -> torch.Tensor:
+    """Scale by temperature and set filtered-out tokens to -inf; (batch, vocab) -> (batch, vocab) fp32.
+
+    top_k keeps the k largest; top_p keeps the smallest set whose probability reaches top_p
+    (nucleus sampling, Holtzman et al. 2020; the most likely token always stays); min_p keeps
+    tokens with probability >= min_p times the top token's (Nguyen et al. 2024). The arguments
+    are taken as they are: :class:`~llm.generation.GenerationConfig` is where they are checked.
+    """
+    logits = logits.float() / temperature if temperature > 0 else logits.float()
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens before it already reach top_p
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Turns a row's next-token logits into a distribution and picks from it.
+
+    Processing order as in transformers: repetition penalty, then temperature, top-k, min-p and
+    top-p. Greedy (``do_sample=False`` or ``temperature=0``) gives one-hot distributions, so the
+    speculative acceptance rule reduces to "accept while the draft equals the argmax".
+
+    Args:
+        config: the (validated) options: do_sample, temperature, top_k, top_p, min_p,
+            repetition_penalty.
+        generator: the random source of every draw (seeded by ``generate(seed=...)``).
+    """
+
+    def __init__(self, config: GenerationConfig, generator: torch.Generator | None = None):
+        self.greedy = config.greedy
+        self.temperature, self.top_k, self.top_p, self.min_p = (config.temperature, config.top_k, config.top_p,
+                                                                config.min_p)
+        self.repetition_penalty = config.repetition_penalty if config.repetition_penalty != 1.0 else None
+        self.generator = generator
+
+    def scores(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n, vocab) fp32 processed logits; ``seen`` (n, vocab) bool marks tokens
+        already in the sequence, for the repetition penalty."""
+        logits = logits.float()
+        if self.repetition_penalty is not None and seen is not None:
+            penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
+            logits = torch.where(seen, penalised, logits)
+        if self.greedy:
+            return logits
+        return filter_logits(logits, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                             min_p=self.min_p)
+
+    def probs(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n, vocab) fp32 distribution (one-hot when greedy)."""
+        scores = self.scores(logits, seen)
+        if self.greedy:
+            return torch.zeros_like(scores).scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+        return scores.softmax(-1)
+
+    def pick(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, vocab) logits -> (n,) int64 tokens."""
+        if self.greedy:
+            return self.scores(logits, seen).argmax(-1)
+        return self.draw(self.probs(logits, seen))
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row of (n, vocab) probabilities -> (n,) int64."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1), from the same generator."""
+        device = self.generator.device if self.generator is not None else "cpu"
+        return float(torch.rand((), generator=self.generator, device=device))

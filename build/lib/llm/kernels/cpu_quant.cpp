@@ -1,0 +1,492 @@
+// Weight-only int4 and int8 matrix products, attention over a cache buffer and whole Llama blocks
+// for x86-64 CPUs with AVX2 (+ FMA, F16C) or AVX512-VNNI, built by llm/kernels/cpu_quant.py
+// (torch.utils.cpp_extension) and registered as torch operators (llm::*). The kernels themselves
+// are in cpu_quant_simd.h, compiled here once for each instruction set; the CPU picks one at run
+// time. This file holds what does not depend on it: the checks of the operators' arguments.
+//
+// The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): activations
+// are quantized to int8 in groups of 32 per token (scale = max|x| / 127, round to nearest), the
+// products are integer dot products (4 bytes at a time into int32), and the float scales are
+// applied once per group of 32. Unlike ggml, the lanes of a vector are 16 output features (a
+// "block" of rows), not 16 inputs, so the weights of 16 rows are read once per token tile and no
+// horizontal sums are needed (torch's int4 CPU kernel's layout).
+//
+// Layouts (made by llm/kernels/cpu_quant.py; NB = ceil(N / 16) blocks of 16 output rows, padded):
+//   int4 codes  (NB, K / 8, 16, 4) uint8: for block b, inputs 8t..8t+7 of row 16b+i: byte j holds
+//               q[8t + j] in its low nibble and q[8t + 4 + j] in its high nibble.
+//   int4 scales, mins (NB, K / G, 16) fp16: w = q * scale + min (GGUF Q4_1's convention).
+//   int8 codes  (NB, K / 4, 16, 4) int8: bytes j of row 16b+i at (b, t, i, j) = q[4t + j].
+//   int8 scales (NB * 16,) float32: w = q * scale.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LLM_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // output rows per block: one vector of int32 or float
+constexpr int64_t kTile = 8;    // tokens per pass over a block's weights
+constexpr int64_t kGroup = 32;  // inputs per activation scale
+constexpr int64_t kSpan = 64;   // keys per part of a query's attention (see Attention)
+// Weight bytes prefetched ahead of use: without it SmolLM2's 150 int4 projections of one token took
+// 4.1 ms on one thread instead of 3.1 (each thread's stretch of blocks is short: the hardware
+// prefetcher ramps up too late). Into L2 (T1), which can have more lines in flight than L1: the 30
+// fused blocks of SmolLM2 took 3.4-4.0 ms a token against 3.9-5.7 with T0 (AMD EPYC, Zen 4;
+// alternating builds, a noisy day).
+constexpr int64_t kAheadBytes = 8192;
+
+// The instruction set the kernels run with here: "avx512" (AVX512-VNNI with BW, VL, DQ, F16C),
+// "avx2" (AVX2 with FMA and F16C), or "" where neither is there.
+const char* isa() {
+#ifdef LLM_X86
+  static const char* found = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c"))
+      return "avx512";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return "avx2";
+    return "";
+  }();
+  return found;
+#else
+  return "";
+#endif
+}
+
+bool avx512() { return std::strcmp(isa(), "avx512") == 0; }
+
+void check_isa() { TORCH_CHECK(*isa(), "llm CPU kernels need an x86-64 CPU with AVX2, FMA and F16C"); }
+
+void check(const at::Tensor& x, const at::Tensor& codes, int64_t n, int64_t bytes_per_block) {
+  check_isa();
+  TORCH_CHECK(x.dim() == 2, "x must be (rows, in_features), got ", x.sizes());
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) % kGroup == 0,
+              "x must be (rows, in_features) with in_features a positive multiple of 32, got ", x.sizes());
+  TORCH_CHECK(codes.is_contiguous() && codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4,
+              "codes must be a contiguous (blocks, steps, 16, 4) layout, got ", codes.sizes());
+  TORCH_CHECK(codes.size(0) == (n + kLanes - 1) / kLanes && codes.size(1) * 4 * kLanes == bytes_per_block,
+              "codes of shape ", codes.sizes(), " do not match ", n, " outputs of ", x.size(1), " inputs");
+}
+
+// Blocks per task: enough work per thread wake-up, and at least two tasks when there are threads.
+int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16, blocks / (2 * at::get_num_threads()))); }
+
+// A packed int4 or int8 weight (the layouts of the file's header) and its shape.
+struct QWeight {
+  bool int4 = true;
+  const uint8_t* codes = nullptr;  // int8 codes are read as int8_t
+  const at::Half* scales = nullptr;  // int4: (blocks, K / G, 16)
+  const at::Half* mins = nullptr;
+  const float* lane_scales = nullptr;  // int8: (blocks * 16,)
+  int64_t n = 0, k = 0, group = 0, blocks = 0;
+};
+
+// The bytes of block b that project_block reads before its own prefetches reach them: the first
+// kAheadBytes of its codes and the scales and mins as far.
+void prefetch_block(const QWeight& w, int64_t b) {
+#ifdef LLM_X86
+  if (b >= w.blocks) return;
+  const int64_t row_bytes = w.int4 ? w.k / 2 : w.k, codes = std::min(kAheadBytes, row_bytes * kLanes);
+  const char* c = reinterpret_cast<const char*>(w.codes) + b * row_bytes * kLanes;
+  for (int64_t i = 0; i < codes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+  if (!w.int4) return;
+  const int64_t KG = w.k / w.group, side = std::min<int64_t>(2 * kAheadBytes / w.group, KG * kLanes) * 2;
+  const char* d = reinterpret_cast<const char*>(w.scales + b * KG * kLanes);
+  const char* m = reinterpret_cast<const char*>(w.mins + b * KG * kLanes);
+  for (int64_t i = 0; i < side; i += 64) _mm_prefetch(d + i, _MM_HINT_T1), _mm_prefetch(m + i, _MM_HINT_T1);
+#endif
+}
+
+// Pacing on a busy machine. A team of threads that meets at barriers (run_blocks: about 150 a token
+// on SmolLM2) waits at each for its slowest member; where another process takes one of the cores, a
+// member descheduled for a time slice (milliseconds) holds every barrier up: two threads then decode
+// ten times slower than one. So each team call measures how much of its wall time every member
+// got on a CPU (CLOCK_THREAD_CPUTIME_ID; a member waiting at a barrier spins, and that counts): if
+// one got less than kBusyShare of it, the following calls run on the calling thread alone, for a
+// stretch that doubles while the machine stays busy (kSoloFirst .. kSoloMost calls) and is probed
+// again after it. Results do not depend on the threads (see cpu_quant_simd.h), only speed does.
+constexpr double kBusyShare = 0.6;
+constexpr int64_t kSoloFirst = 16, kSoloMost = 256;
+constexpr double kJudgedCallS = 1e-3;  // shorter calls are not judged (waking the team weighs on them)
+
+struct Pace {
+  std::atomic<int64_t> solo{0};           // calls left to run on one thread
+  std::atomic<int64_t> stretch{kSoloFirst};
+};
+
+Pace& pace() {
+  static Pace p;
+  return p;
+}
+
+// The threads for the next team call: 1 while the machine was found busy, else `threads`.
+int team_threads(int threads) {
+  if (threads > 1 && pace().solo.load(std::memory_order_relaxed) > 0) {
+    pace().solo.fetch_sub(1, std::memory_order_relaxed);
+    return 1;
+  }
+  return threads;
+}
+
+// Whether single-threaded calls (the separate kernels) should keep to the calling thread now.
+bool pace_solo() { return pace().solo.load(std::memory_order_relaxed) > 0; }
+
+// A team call of `team` threads took `wall` seconds, its least served member `least_cpu` of CPU.
+void observe(int team, double wall, double least_cpu) {
+  if (team < 2 || wall < kJudgedCallS) return;
+  if (least_cpu < kBusyShare * wall) {
+    const int64_t n = pace().stretch.load(std::memory_order_relaxed);
+    pace().solo.store(n, std::memory_order_relaxed);
+    pace().stretch.store(std::min(2 * n, kSoloMost), std::memory_order_relaxed);
+  } else {
+    pace().stretch.store(kSoloFirst, std::memory_order_relaxed);
+  }
+}
+
+double thread_cpu_s() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+// One block's weights and caches for run_blocks.
+struct Layer {
+  QWeight wqkv, wo, wgate, wup, wdown;
+  const float *n1, *n2;
+  float *kc, *vc;
+};
+
+// What run_blocks needs, checked: the layers, the step's shape, rotation, positions and mask.
+struct Blocks {
+  std::vector<Layer> layers;
+  int64_t B = 0, S = 0, Dm = 0, H = 0, KV = 0, D = 0, T = 0, hidden = 0, cos_rows = 1;
+  const float *cos = nullptr, *sin = nullptr;
+  const int64_t* pos = nullptr;
+  const bool* mask = nullptr;
+  float eps = 0.f, scale = 0.f;
+};
+
+}  // namespace
+
+#ifdef LLM_X86
+namespace llm_avx512 {
+namespace {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")
+#define LLM_AVX512 1
+#include "cpu_quant_simd.h"
+#undef LLM_AVX512
+#pragma GCC pop_options
+}  // namespace
+}  // namespace llm_avx512
+
+namespace llm_avx2 {
+namespace {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "cpu_quant_simd.h"
+#pragma GCC pop_options
+}  // namespace
+}  // namespace llm_avx2
+#endif
+
+namespace {
+
+// The kernels of this CPU's instruction set (callers have run check_isa()).
+#ifdef LLM_X86
+#define LLM_DISPATCH(call) (avx512() ? llm_avx512::call : llm_avx2::call)
+#else
+#define LLM_DISPATCH(call) TORCH_CHECK(false, "llm CPU kernels need an x86-64 CPU")
+#endif
+
+void project(const QWeight& w, const float* x, int64_t M, float* out) { LLM_DISPATCH(project(w, x, M, out)); }
+
+at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                           const at::Tensor& mins, int64_t group_size, int64_t n) {
+  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
+  check(x_in, codes, n, K * 8);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
+              " must be a multiple of 32 that divides in_features ", K);
+  const int64_t KG = K / group_size;
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  mins.scalar_type() == at::kHalf && scales.numel() == codes.size(0) * KG * kLanes &&
+                  mins.numel() == scales.numel(),
+              "scales and mins must be contiguous float16 (", codes.size(0), ", ", KG, ", 16) for group_size ",
+              group_size, ", got ", scales.sizes(), " and ", mins.sizes());
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  QWeight w;
+  w.codes = codes.data_ptr<uint8_t>();
+  w.scales = scales.data_ptr<at::Half>();
+  w.mins = mins.data_ptr<at::Half>();
+  w.n = n, w.k = K, w.group = group_size, w.blocks = codes.size(0);
+  project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
+  check(x_in, codes, n, K * kLanes);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == codes.size(0) * kLanes,
+              "scales must be contiguous float32 (blocks * 16,)");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  QWeight w;
+  w.int4 = false;
+  w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>());
+  w.lane_scales = scales.data_ptr<float>();
+  w.n = n, w.k = K, w.group = K, w.blocks = codes.size(0);
+  project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
+  return out;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * weight per row of x (rows, D), float32: the fused blocks' norm
+// (the mean summed in double, so that a row's result does not depend on the other rows).
+at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  check_isa();
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1 && x_in.is_cpu(),
+              "x must be a float32 CPU tensor (..., d), got ", x_in.sizes(), " ", x_in.scalar_type());
+  const int64_t D = x_in.size(-1);
+  TORCH_CHECK(weight_in.scalar_type() == at::kFloat && weight_in.dim() == 1 && weight_in.size(0) == D,
+              "weight must be float32 (", D, ",), got ", weight_in.sizes(), " ", weight_in.scalar_type());
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  const int64_t M = D ? x.numel() / D : 0;
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    LLM_DISPATCH(rms_norm_rows(x.data_ptr<float>() + r0 * D, weight.data_ptr<float>(), r1 - r0, D,
+                               static_cast<float>(eps), out.data_ptr<float>() + r0 * D));
+  });
+  return out;
+}
+
+QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, int64_t n, int64_t k, const char* name) {
+  const c10::optional<at::Tensor> codes = weights.get(3 * i), scales = weights.get(3 * i + 1), mins = weights.get(3 * i + 2);
+  TORCH_CHECK(codes.has_value() && scales.has_value(), name, ": codes and scales are required");
+  QWeight w;
+  w.n = n, w.k = k, w.blocks = (n + kLanes - 1) / kLanes;
+  TORCH_CHECK(n > 0, name, ": out_features ", n, " must be positive");
+  TORCH_CHECK(k > 0 && k % kGroup == 0, name, ": in_features ", k, " is not a positive multiple of 32");
+  TORCH_CHECK(codes->is_cpu() && scales->is_cpu() && (!mins.has_value() || mins->is_cpu()), name,
+              ": weights must be on the CPU");
+  TORCH_CHECK(codes->is_contiguous() && codes->dim() == 4 && codes->size(0) == w.blocks && codes->size(2) == kLanes &&
+                  codes->size(3) == 4 && scales->is_contiguous(),
+              name, ": codes of shape ", codes->sizes(), " do not match ", n, " outputs of ", k, " inputs");
+  if (codes->scalar_type() == at::kByte) {
+    TORCH_CHECK(codes->size(1) == k / 8 && mins.has_value() && mins->is_contiguous() &&
+                    scales->scalar_type() == at::kHalf && mins->scalar_type() == at::kHalf &&
+                    mins->numel() == scales->numel() && scales->numel() % (w.blocks * kLanes) == 0,
+                name, ": int4 codes need float16 scales and mins (blocks, K / group_size, 16)");
+    const int64_t groups = scales->numel() / (w.blocks * kLanes);
+    TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kGroup == 0, name, ": ", groups,
+                " groups do not divide ", k, " inputs into multiples of 32");
+    w.group = k / groups;
+    w.codes = codes->data_ptr<uint8_t>();
+    w.scales = scales->data_ptr<at::Half>();
+    w.mins = mins->data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(codes->scalar_type() == at::kChar && codes->size(1) == k / 4 && scales->scalar_type() == at::kFloat &&
+                    scales->numel() == w.blocks * kLanes,
+                name, ": int8 codes need float32 scales (blocks * 16,)");
+    w.int4 = false;
+    w.group = k;
+    w.codes = reinterpret_cast<const uint8_t*>(codes->data_ptr<int8_t>());
+    w.lane_scales = scales->data_ptr<float>();
+  }
+  return w;
+}
+
+at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                const at::Tensor& mask_in, double scale, const c10::optional<at::Tensor>& bias_in) {
+  check_isa();
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && k_in.sizes() == v_in.sizes(),
+              "q must be (batch, n_heads, seq_q, head_dim) and k, v (batch, kv_n_heads, seq_k, head_dim), got ",
+              q_in.sizes(), ", ", k_in.sizes(), ", ", v_in.sizes());
+  const int64_t B = q_in.size(0), H = q_in.size(1), S = q_in.size(2), D = q_in.size(3);
+  const int64_t KV = k_in.size(1), T = k_in.size(2);
+  TORCH_CHECK(k_in.size(0) == B && k_in.size(3) == D && KV > 0 && H % KV == 0 && D % kLanes == 0 && D > 0 &&
+                  D <= 8 * kLanes,
+              "k and v of shape ", k_in.sizes(), " do not fit q of shape ", q_in.sizes(),
+              " (same batch and head_dim, a multiple of 16 up to 128; n_heads a multiple of kv_n_heads)");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && v_in.scalar_type() == at::kFloat,
+              "q, k and v must be float32");
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.dim() == 3 && mask_in.size(0) == B &&
+                  mask_in.size(1) == S && mask_in.size(2) == T,
+              "mask must be bool (batch, seq_q, seq_k) = (", B, ", ", S, ", ", T, "), got ", mask_in.sizes());
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(1) == H && bias.size(2) == S && bias.size(3) == T,
+                "bias must be (batch, n_heads, seq_q, seq_k), got ", bias.sizes());
+  }
+  // queries (batch, kv head, group, seq_q, head_dim) -> (batch, kv head, seq_q, group, head_dim)
+  const int64_t G = H / KV;
+  const at::Tensor q = q_in.view({B, KV, G, S, D}).transpose(2, 3).contiguous();
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous(), mask = mask_in.contiguous();
+  at::Tensor out = at::zeros({B, S, H, D}, q.options());
+  if (out.numel() == 0 || T == 0) return out.transpose(1, 2);
+#ifdef LLM_X86
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int threads = at::get_num_threads();
+  if (avx512()) {
+    llm_avx512::Attention attn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+                               bp, B, KV, S, G, D, T, static_cast<float>(scale), threads);
+    llm_avx512::attention(attn, out.data_ptr<float>());
+  } else {
+    llm_avx2::Attention attn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+                             bp, B, KV, S, G, D, T, static_cast<float>(scale), threads);
+    llm_avx2::attention(attn, out.data_ptr<float>());
+  }
+#endif
+  return out.transpose(1, 2);
+}
+
+// Consecutive pre-norm Llama blocks over a cache buffer for any number of new tokens, in one call
+// (see run_blocks in cpu_quant_simd.h).
+at::Tensor decoder_blocks_cpu(const at::Tensor& x_in, at::TensorList norms, double eps,
+                              const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef out_features,
+                              const c10::optional<at::Tensor>& cos_in, const c10::optional<at::Tensor>& sin_in,
+                              at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& cache_position_in,
+                              const at::Tensor& mask_in, int64_t n_heads, double scale) {
+  check_isa();
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat && x_in.is_cpu(),
+              "x must be a float32 CPU tensor (batch, seq, d_model), got ", x_in.sizes(), " ", x_in.scalar_type());
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(L > 0 && v_caches.size() == k_caches.size() && norms.size() == 2 * k_caches.size() &&
+                  weights.size() == 15 * k_caches.size(),
+              "one block's k_cache and v_cache, two norm weights and 15 weights each: got ", k_caches.size(), ", ",
+              v_caches.size(), ", ", norms.size(), " and ", weights.size());
+  const int64_t B = x_in.size(0), S = x_in.size(1), Dm = x_in.size(2), M = B * S;
+  const at::Tensor& k0 = k_caches[0];
+  TORCH_CHECK(k0.dim() == 4 && k0.size(0) == B, "k_cache must be (batch, kv_n_heads, capacity, head_dim), got ",
+              k0.sizes());
+  const int64_t KV = k0.size(1), T = k0.size(2), D = k0.size(3), H = n_heads;
+  TORCH_CHECK(KV > 0 && H % KV == 0 && D % kLanes == 0 && D > 0 && D <= 8 * kLanes,
+              "n_heads ", H, " must be a multiple of kv_n_heads ", KV, " and head_dim ", D,
+              " a multiple of 16 up to 128");
+  TORCH_CHECK(out_features.size() == 5, "out_features must be those of Wqkv, out_proj, gate_proj, up_proj, down_proj");
+  const int64_t Nqkv = (H + 2 * KV) * D, hidden = out_features[2];
+  TORCH_CHECK(out_features[0] == Nqkv && out_features[1] == Dm && out_features[3] == hidden && out_features[4] == Dm,
+              "out_features ", out_features, " do not fit d_model ", Dm, " and ", H, " + 2 * ", KV, " heads of ", D);
+  std::vector<Layer> layers(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
+    TORCH_CHECK(kc.sizes() == k0.sizes() && vc.sizes() == k0.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                    kc.scalar_type() == at::kFloat && vc.scalar_type() == at::kFloat && kc.is_cpu() && vc.is_cpu(),
+                "k_cache and v_cache must be contiguous float32 CPU tensors (batch, kv_n_heads, capacity, head_dim) = ",
+                k0.sizes(), ", got ", kc.sizes(), " and ", vc.sizes(), " for block ", l);
+    const at::Tensor &n1 = norms[2 * l], &n2 = norms[2 * l + 1];
+    TORCH_CHECK(n1.numel() == Dm && n2.numel() == Dm && n1.scalar_type() == at::kFloat &&
+                    n2.scalar_type() == at::kFloat && n1.is_contiguous() && n2.is_contiguous() && n1.is_cpu() &&
+                    n2.is_cpu(),
+                "norm weights must be contiguous float32 CPU tensors (d_model,)");
+    const int64_t w = 5 * l;
+    Layer& y = layers[l];
+    y.wqkv = qweight(weights, w, Nqkv, Dm, "Wqkv"), y.wo = qweight(weights, w + 1, Dm, H * D, "out_proj");
+    y.wgate = qweight(weights, w + 2, hidden, Dm, "gate_proj"), y.wup = qweight(weights, w + 3, hidden, Dm, "up_proj");
+    y.wdown = qweight(weights, w + 4, Dm, hidden, "down_proj");
+    TORCH_CHECK(y.wgate.int4 == y.wup.int4 && y.wgate.group == y.wup.group,
+                "gate_proj and up_proj must be quantized alike (they share the quantized input)");
+    y.n1 = n1.data_ptr<float>(), y.n2 = n2.data_ptr<float>();
+    y.kc = kc.data_ptr<float>(), y.vc = vc.data_ptr<float>();
+  }
+  TORCH_CHECK(cos_in.has_value() == sin_in.has_value(), "cos and sin come together");
+  at::Tensor cos, sin;
+  if (cos_in.has_value()) {
+    cos = cos_in->contiguous(), sin = sin_in->contiguous();
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_cpu() && sin.is_cpu() && cos.sizes() == sin.sizes() &&
+                    cos.dim() == 3 &&
+                    (cos.size(0) == 1 || cos.size(0) == B) && cos.size(1) == S && cos.size(2) == D,
+                "cos and sin must be float32 (batch or 1, seq, head_dim), got ", cos.sizes(), " and ", sin.sizes());
+  }
+  TORCH_CHECK(cache_position_in.is_cpu() && !at::isFloatingType(cache_position_in.scalar_type()) &&
+                  cache_position_in.scalar_type() != at::kBool,
+              "cache_position must be an integer CPU tensor, got ", cache_position_in.scalar_type());
+  const at::Tensor positions = cache_position_in.to(at::kLong).contiguous();
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == S, "cache_position must be (seq,), got ", positions.sizes());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < T, "cache_position ", pos[s], " is outside the buffer of ", T);
+  const at::Tensor mask = mask_in.contiguous();
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.is_cpu() && mask.dim() == 3 && mask.size(0) == B &&
+                  mask.size(1) == S && mask.size(2) == T,
+              "mask must be bool (batch, seq, capacity) = (", B, ", ", S, ", ", T, "), got ", mask.sizes());
+
+  at::Tensor out = x_in.contiguous().clone();
+  if (M == 0) return out;
+  Blocks a;
+  a.layers = std::move(layers);
+  a.B = B, a.S = S, a.Dm = Dm, a.H = H, a.KV = KV, a.D = D, a.T = T, a.hidden = hidden;
+  a.cos = cos.defined() ? cos.data_ptr<float>() : nullptr;
+  a.sin = cos.defined() ? sin.data_ptr<float>() : nullptr;
+  a.cos_rows = cos.defined() ? cos.size(0) : 1;
+  a.pos = pos, a.mask = mask.data_ptr<bool>();
+  a.eps = static_cast<float>(eps), a.scale = static_cast<float>(scale);
+  LLM_DISPATCH(run_blocks(a, out.data_ptr<float>()));
+  return out;
+}
+
+const std::string cpu_isa() { return isa(); }
+
+// The pacing's state, for tests: (calls left on one thread, the next stretch).
+std::vector<int64_t> pace_state() { return {pace().solo.load(), pace().stretch.load()}; }
+
+// Set the pacing's state (tests): calls left on one thread, the next stretch.
+void set_pace(int64_t solo, int64_t stretch) { pace().solo.store(solo), pace().stretch.store(stretch); }
+
+// Distinct threads that one at::parallel_for of `tasks` tasks ran on: 1 when the extension was
+// built without OpenMP (at::parallel_for's pragma is then ignored and every kernel runs serially).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<int> seen(tasks, -1);
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) seen[i] = at::get_thread_num();
+  });
+  std::sort(seen.begin(), seen.end());
+  return std::unique(seen.begin(), seen.end()) - seen.begin();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llm, m) {
+  m.def("cpu_isa() -> str", &cpu_isa);
+  m.def("parallel_threads(int tasks) -> int", &parallel_threads);
+  m.def("pace_state() -> int[]", &pace_state);
+  m.def("set_pace(int solo, int stretch) -> ()", &set_pace);
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
+  m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
+        "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm, CPU, m) {
+  m.impl("int4_linear", &int4_linear_cpu);
+  m.impl("int8_linear", &int8_linear_cpu);
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
+  m.impl("decoder_blocks", &decoder_blocks_cpu);
+}

@@ -1,0 +1,344 @@
+"""Our own int4 and int8 weight-only matmuls, attention and Llama blocks for x86-64 CPUs with AVX2
+or AVX512-VNNI (``cpu_quant.cpp``, ``cpu_quant_simd.h``).
+
+The method is llama.cpp's (ggml-cpu's Q4_1 x Q8_0 and Q8_0 x Q8_0 dot products): each token's
+activations are quantized to int8 in groups of 32 inputs (scale ``max |x| / 127``), the products
+are integer dot products, and the float scales are applied per group of 32 (an int4 group's min
+multiplies the sum of the quantized activations, ggml's Q8_1 ``s``). The lanes of a vector
+are 16 output features, so the weights are read once per tile of 8 tokens and stream at the
+memory bandwidth for one token. Each token's row is computed alone, and attention reduces each
+query's keys in an order counted from its first key: results do not depend on the batch, the
+prompt length, the cache or the threads, to the bit.
+
+The source is compiled by :func:`build` (``make install`` runs it; otherwise the first use does,
+about 30 s) with :func:`torch.utils.cpp_extension.load`, cached on disk under
+``$LLM_HOME/kernels`` (default ``~/.cache/llm/kernels``, :func:`build_directory`), for both instruction sets; the
+CPU picks one when the operators run (:func:`isa`). It registers ``torch.ops.llm.int4_linear``,
+``int8_linear``, ``rms_norm``, ``decode_attention`` and ``decoder_blocks`` (Llama blocks over a
+cache buffer in one call), with fake implementations, so ``torch.compile`` calls them as they are.
+Which layers use them is the model's choice, made when it is quantized (``backend`` of
+:func:`llm.quant.quantize`); :func:`unavailable` says why they cannot run here.
+
+Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 group size):
+
+- int4: codes ``(ceil(N / 16), K / 8, 16, 4)`` uint8 (two 4-bit codes a byte), scales and mins
+  ``(ceil(N / 16), K / G, 16)`` float16, ``w = q * scale + min`` (GGUF Q4_1's convention).
+- int8: codes ``(ceil(N / 16), K / 4, 16, 4)`` int8, scales ``(16 * ceil(N / 16),)`` float32,
+  ``w = q * scale``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from llm.utils.home import llm_home
+
+LANES = 16
+GROUP = 32
+_SOURCES = (Path(__file__).with_name("cpu_quant.cpp"), Path(__file__).with_name("cpu_quant_simd.h"))
+
+log = logging.getLogger(__name__)
+
+#: How long a build directory's lock may stand before it counts as left by a killed build (a
+#: build takes about 30 s; torch's lock would otherwise be waited on forever).
+STALE_LOCK_S = 300
+
+
+def extension_name(sources: tuple[Path, ...] = _SOURCES) -> str:
+    """The extension's name: a hash of its sources and torch's version, so an edit rebuilds it."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + torch.__version__.encode()).hexdigest()
+    return f"llm_cpu_quant_{digest[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built: ``$LLM_HOME/kernels/<name>`` (see :mod:`llm.utils.home`)."""
+    return llm_home() / "kernels" / name
+
+
+def build(sources: tuple[Path, ...] = _SOURCES) -> str | None:
+    """Load the extension, compiling it first if this machine has no build of these sources
+    (cached on disk by their contents); returns why that failed, as a sentence, after one
+    warning, or None. A finished build loads without importing ``torch.utils.cpp_extension``
+    (a second of imports)."""
+    name = extension_name(sources)
+    folder = build_directory(name)
+    library = folder / f"{name}.so"
+    if library.is_file() and not (folder / "lock").exists():
+        try:
+            torch.ops.load_library(str(library))
+            return None
+        except OSError:  # a library left half-written by a killed build: build it again
+            library.unlink(missing_ok=True)
+    with contextlib.redirect_stderr(io.StringIO()):  # its import prints a CUDA_HOME notice
+        from torch.utils import cpp_extension
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing %s, left by a build that was killed %.0f s ago", lock, time.time() - lock.stat().st_mtime)
+            lock.unlink(missing_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # -fopenmp: without it at::parallel_for's pragma is ignored and the kernels run on one thread
+            cpp_extension.load(name=name, sources=[str(sources[0])], extra_cflags=["-O3", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                               verbose=False)
+    except (RuntimeError, OSError, ImportError) as err:
+        # ninja's last lines only say that it stopped: keep the compiler's own last line
+        detail = [line for line in str(err).strip().splitlines()
+                  if line.strip() and not line.startswith(("ninja:", "FAILED:", "[", "Error building extension"))]
+        reason = f"building {sources[0].name} failed ({detail[-1].strip() if detail else str(err).strip() or type(err).__name__})"
+        warnings.warn(f"llm's CPU kernels are not used: {reason}; quantized layers take torch's kernels", stacklevel=2)
+        return reason
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable() -> str | None:
+    """Why the kernels cannot run on this machine (a sentence), or None once they are built and
+    loaded (the first call builds them if ``make install`` has not)."""
+    reason = build()
+    if reason is not None:
+        return reason
+    if not torch.ops.llm.cpu_isa():
+        return "this CPU has neither AVX2 (with FMA and F16C) nor AVX512-VNNI"
+    _register_fakes()
+    return None
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run with here: ``"avx512"`` (AVX512-VNNI) or ``"avx2"``;
+    None where they cannot run (:func:`unavailable`)."""
+    return None if unavailable() is not None else torch.ops.llm.cpu_isa()
+
+
+def available(device: torch.device | str = "cpu") -> bool:
+    """Whether the kernels run on ``device``: a CPU on which they are built and supported."""
+    return torch.device(device).type == "cpu" and unavailable() is None
+
+
+_changes = 0
+
+
+def changed() -> None:
+    """Note that a module whose tensors the fused blocks read has changed (a submodule or
+    parameter set, kernel tensors remade by a load, a move or a cast): what a block keeps for
+    :func:`decoder_blocks` is looked up again (:meth:`llm.layers.blocks.MosaicGPTBlock.fused_weights_for`)."""
+    global _changes
+    _changes += 1
+
+
+def changes() -> int:
+    """How many times :func:`changed` has been called in this process."""
+    return _changes
+
+
+class Watched:
+    """A mixin for ``nn.Module`` classes whose attributes the fused blocks read: setting any
+    attribute (a submodule swapped, a parameter replaced) calls :func:`changed`."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        changed()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("llm::int4_linear")
+    def _(x, codes, scales, mins, group_size, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("llm::int8_linear")
+    def _(x, codes, scales, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("llm::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("llm::decode_attention")
+    def _(q, k, v, mask, scale, bias):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
+    @torch.library.register_fake("llm::decoder_blocks")
+    def _(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches, cache_position, mask, n_heads, scale):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def supports(out_features: int, in_features: int, group_size: int | None = None) -> str | None:
+    """Why an (out_features, in_features) weight cannot take these kernels, or None if it can
+    (the int4 group size, when given, must be a multiple of 32 dividing ``in_features``)."""
+    if in_features % GROUP:
+        return f"in_features {in_features} is not a multiple of {GROUP}"
+    if group_size is not None and (group_size % GROUP or in_features % group_size):
+        return f"group_size {group_size} is not a multiple of {GROUP} dividing in_features {in_features}"
+    return None
+
+
+def _blocks(rows: torch.Tensor) -> torch.Tensor:
+    """(N, ...) -> (ceil(N / 16), 16, ...), zero rows appended."""
+    n = rows.shape[0]
+    pad = -n % LANES
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+    return rows.reshape(-1, LANES, *rows.shape[1:])
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int4 layout of the module docstring from codes (N, K) in [0, 15] and per-group
+    ``scales``, ``mins`` (N, K / G) of any float dtype (rounded to float16)."""
+    k = codes.shape[1]
+    q = _blocks(codes.to(torch.uint8)).view(-1, LANES, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).contiguous()
+    return packed, _group_lanes(scales), _group_lanes(mins)
+
+
+def _group_lanes(values: torch.Tensor) -> torch.Tensor:
+    return _blocks(values.to(torch.float16)).transpose(1, 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4`: codes uint8 (n, K), scales and mins float16 (n, K / G)."""
+    blocks, steps = packed.shape[:2]
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # (blocks, K / 8, 16, 2, 4)
+    codes = q.permute(0, 2, 1, 3, 4).reshape(blocks * LANES, steps * 8)[:n]
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(blocks * LANES, -1)[:n]
+
+    return codes, rows(scales), rows(mins)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """The int8 layout of codes int8 (N, K)."""
+    k = codes.shape[1]
+    return _blocks(codes).view(-1, LANES, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def lane_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Per-row int8 ``scales`` (N,) as the kernel takes them: float32 (16 * ceil(N / 16),)."""
+    return _blocks(scales.float()).reshape(-1).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8` for the codes: int8 (n, K)."""
+    blocks, steps = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(blocks * LANES, steps * 4)[:n]
+
+
+def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape, int64) of a packed int8 table: int8 (*ids.shape, K) (an embedding
+    lookup that needs no second, unpacked copy of a tied table)."""
+    steps = packed.shape[1]
+    return packed[ids // LANES, :, ids % LANES].reshape(*ids.shape, steps * 4)
+
+
+def _require() -> None:
+    """Build and load the kernels before a direct call (a traced call finds them loaded)."""
+    if not torch.compiler.is_compiling():
+        why = unavailable()
+        if why is not None:
+            raise RuntimeError(f"llm's CPU kernels cannot run here: {why}")
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                n: int) -> torch.Tensor:
+    """``x @ w.T`` for a packed int4 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    _require()
+    return torch.ops.llm.int4_linear(x, packed, scales, mins, group_size, n)
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    _require()
+    return torch.ops.llm.int8_linear(x, packed, scales, n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension, float32 (..., d) and (d,):
+    the fused blocks' norm, each row's mean of squares summed in double (so a row's result does
+    not depend on the other rows). Raises RuntimeError on other dtypes or shapes."""
+    _require()
+    return torch.ops.llm.rms_norm(x, weight, eps)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of a few queries over a cache buffer, in one pass per query and head.
+
+    Args:
+        query: (batch, n_heads, seq_q, head_dim) float32; head_dim a multiple of 16 up to 128.
+        key, value: (batch, kv_n_heads, seq_k, head_dim) float32 (query head h reads kv head
+            h // (n_heads / kv_n_heads), grouped-query attention).
+        mask: (batch, seq_q, seq_k) bool, True for the keys each query may see (a static cache's
+            causal and padding mask over its whole buffer).
+        scale: the scores' factor (1 / sqrt(head_dim) for the usual attention).
+        bias: (batch, n_heads, seq_q, seq_k) additive bias of the scores (ALiBi), or None.
+
+    Returns:
+        (batch, n_heads, seq_q, head_dim) float32: ``softmax(q k^T * scale + bias)`` over the
+        allowed keys, times v; zeros for a query that may see no key (or whose scores are all
+        -inf). Keys masked out are never read. Equals :func:`llm.layers.attention.attention_heads`'s
+        float32 path up to rounding (its exp is Cephes' polynomial, about 1 ulp) for finite
+        biases. No gradient: inference only.
+
+    Raises:
+        RuntimeError: on shapes or dtypes other than these, or without the kernels (:func:`unavailable`).
+    """
+    _require()
+    return torch.ops.llm.decode_attention(query, key, value, mask, scale, bias)
+
+
+
+def decoder_blocks(x: torch.Tensor, norms: list[torch.Tensor], eps: float, weights: list[torch.Tensor | None],
+                   out_features: list[int], cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], cache_position: torch.Tensor,
+                   mask: torch.Tensor, n_heads: int, scale: float) -> torch.Tensor:
+    """Consecutive pre-norm Llama blocks over a static cache for a few new tokens, in one call.
+
+    Per block, ``h = x + out_proj(attention(rotate(Wqkv(rms_norm(x, norm_1)))))``, then
+    ``h + down_proj(silu(gate_proj(g)) * up_proj(g))`` with ``g = rms_norm(h, norm_2)``: the
+    arithmetic of :func:`int4_linear` / :func:`int8_linear` and :func:`decode_attention`, in one
+    team of threads for all the blocks with a barrier between steps (llama.cpp's graph compute)
+    instead of a call, and a wake-up of the threads, per operation and block. Each block's new
+    keys and values are written into its caches at ``cache_position`` (as
+    :meth:`llm.cache.Cache.update`).
+
+    Args:
+        x: (batch, seq, d_model) float32, the residual stream.
+        norms: 2 per block, its ``norm_1`` and ``norm_2`` weights, (d_model,) float32 RMSNorm
+            weights; ``eps`` their epsilon.
+        weights: 15 tensors per block, (codes, scales, mins) of ``Wqkv``, ``out_proj``,
+            ``gate_proj``, ``up_proj``, ``down_proj`` in this module's int4 layout, or (codes,
+            scales, None) in its int8 layout (``kernel_tensors()`` of :class:`llm.quant.Int4Linear`
+            / ``Int8Linear``); ``gate_proj`` and ``up_proj`` quantized alike.
+        out_features: the five layers' output sizes, the same in every block:
+            ``(n_heads + 2 * kv_n_heads) * head_dim``, d_model, hidden, hidden, d_model.
+        cos, sin: (batch or 1, seq, head_dim) float32 rotary angles (:class:`llm.layers.positions.Rotation`,
+            sin's first half negated), or both None for no rotation.
+        k_caches, v_caches: one per block, (batch, kv_n_heads, capacity, head_dim) float32
+            contiguous, written in place.
+        cache_position: (seq,) int64 buffer positions of the new tokens.
+        mask: (batch, seq, capacity) bool, the keys each new token may see (its own included).
+        n_heads: query heads (a multiple of kv_n_heads); head_dim a multiple of 16 up to 128.
+        scale: the attention scores' factor (1 / sqrt(head_dim)).
+
+    Returns:
+        (batch, seq, d_model) float32: the last block's output.
+
+    Raises:
+        RuntimeError: on shapes, dtypes or layouts other than these, a position outside the
+            buffer, or without the kernels (:func:`unavailable`).
+    """
+    _require()
+    return torch.ops.llm.decoder_blocks(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches,
+                                        cache_position, mask, n_heads, scale)

@@ -1,0 +1,117 @@
+"""The blocks over a cache buffer: every query attends over the whole storage through a mask,
+keys written at their buffer positions (gpt-fast's ``Transformer.forward(idx, input_pos)``).
+
+The fused kernel runs the blocks this way, and :meth:`MosaicGPT.forward
+<llm.model.MosaicGPT.forward>` takes it for every call the kernel can run, so a token's logits are
+the same bits uncached, cached, in a prefill or a decoding step. :func:`forward_static` is the
+same computation with shapes that do not depend on the position, for compiled decoding
+(:mod:`llm.generation.compiled`) and the server's batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm.cache import Cache
+from llm.kernels import cpu_quant
+from llm.layers.blocks import MosaicGPTBlock, forward_blocks
+from llm.layers.linear import linear
+from llm.layers.positions import alibi_slopes
+
+
+def fused_weights(model, x: torch.Tensor) -> list | None:
+    """Every block's fused kernel weights for a step of ``x``, or None unless all blocks take it."""
+    plans = [b.fused_weights_for(x) if isinstance(b, MosaicGPTBlock) else None for b in model.blocks]
+    return plans if all(p is not None for p in plans) else None
+
+
+def output_logits(model, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The final norm and the output layer: (batch, seq, d_model) -> (batch, seq, vocab_size);
+    ``fused``: the norm as the fused kernel's (each row summed alone, in double)."""
+    if fused:
+        x = cpu_quant.rms_norm(x, model.norm_f.weight, model.norm_f.eps)
+    else:
+        x = model.norm_f(x)
+    return model.lm_head(x) if model.lm_head is not None else linear(x, model.wte.weight)
+
+
+def blocks_over_buffer(model, x: torch.Tensor, cache: Cache, attention_mask: torch.Tensor | None, past: int,
+                       rotary, fused: list) -> torch.Tensor:
+    """The blocks on ``x`` (batch, seq, d_model) as :func:`forward_static` runs them: the new keys
+    written into ``cache``'s storage (grown as needed) at ``past`` onwards, every query over the
+    whole buffer through a mask; ``attention_mask``: bool (batch, past + seq) or None. Moves the
+    cache's length to ``past + seq``."""
+    batch, seq = x.shape[:2]
+    total = past + seq
+    cache.reserve(model.config, batch, total, x.dtype, x.device)
+    capacity = cache.storage(0)[0].shape[2]
+    key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=x.device)
+    key_mask[:, :total] = True if attention_mask is None else attention_mask
+    cache_position = torch.arange(past, total, device=x.device)
+    causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
+    x = forward_blocks(model.blocks, x, past_key_values=cache, attn_mask=(causal[None] & key_mask[:, None])[:, None],
+                       rotary=rotary, cache_position=cache_position, fused=fused)
+    cache.set_seq_length(total)
+    return x
+
+
+def forward_static(
+    model,
+    input_ids: torch.Tensor | None,
+    cache: Cache,
+    cache_position: torch.Tensor,
+    key_mask: torch.Tensor,
+    logits_index: torch.Tensor | None = None,
+    *,
+    inputs_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of new tokens over a static cache, with shapes that do not depend on the position.
+
+    Keys are written at ``cache_position`` and every query attends over the WHOLE buffer through
+    a mask, so one compiled graph serves every position. Positions follow
+    :meth:`~llm.model.MosaicGPT.forward` under left or inner padding
+    (``position_ids_from_mask``'s ``cumsum(mask) - 1``; ALiBi counts real tokens), so the
+    logits of real tokens equal the uncached forward's. Inference only: no checks, no dropout;
+    the cache's length is not moved (the caller sets it).
+
+    Args:
+        model: a :class:`~llm.model.MosaicGPT`.
+        input_ids: (batch, chunk) int64 ids of the new tokens (padding slots: any valid id), or
+            None with ``inputs_embeds`` (batch, chunk, d_model).
+        cache: a :class:`~llm.cache.StaticCache` with allocated storage
+            (batch, kv_n_heads, capacity, head_dim).
+        cache_position: (chunk,) int64 buffer positions of the new tokens.
+        key_mask: (batch, capacity) bool: True where the buffer holds a real token, the new
+            ones included; False for padding and for positions not yet written.
+        logits_index: (batch, keep) int64 indices into the chunk of the positions to compute
+            logits for; None: all.
+
+    Returns:
+        (batch, keep or chunk, vocab_size) logits in the model's dtype. A query that may see
+        no key (padding) gets finite, meaningless logits.
+    """
+    x = model.wte(input_ids) if inputs_embeds is None else inputs_embeds.to(model.dtype)
+    capacity = key_mask.shape[-1]
+    counts = key_mask.long().cumsum(-1)  # (batch, capacity): real tokens up to each position
+    query_counts = counts[:, cache_position]  # (batch, chunk)
+    # key j is seen from buffer position p iff j <= p and j is real
+    causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
+    allowed = causal[None, None] & key_mask[:, None, None, :]  # (batch, 1, chunk, capacity)
+    rotary = None
+    if model.wpe is not None or model.rotary is not None:
+        position_ids = (query_counts - 1).clamp_min(0)
+        if model.wpe is not None:
+            x = x + model.wpe(position_ids)
+        else:
+            rotary = model.rotary(position_ids, x.dtype)
+    attn_bias = None
+    if model.config.alibi:
+        slopes = alibi_slopes(model.config.n_heads, model.config.alibi_bias_max, device=x.device)
+        # -slope * (real tokens between key and query): forward's bias up to a per-row constant
+        distance = (counts[:, None, :] - query_counts[:, :, None]).to(torch.float32)
+        attn_bias = (slopes[None, :, None, None] * distance[:, None]).to(x.dtype)
+    x = forward_blocks(model.blocks, x, past_key_values=cache, attn_bias=attn_bias, attn_mask=allowed,
+                       rotary=rotary, cache_position=cache_position)
+    if logits_index is not None:
+        x = x.gather(1, logits_index[:, :, None].expand(-1, -1, x.shape[-1]))
+    return output_logits(model, x, attn_bias is None and fused_weights(model, x) is not None)

@@ -1,0 +1,402 @@
+"""Weight-only quantized layers: drop-in replacements for ``nn.Linear`` and ``nn.Embedding``.
+
+After gpt-fast's ``WeightOnlyInt8Linear`` and ``WeightOnlyInt4Linear`` (quantize.py): the weights
+are stored quantized. Each layer's ``backend`` says whose kernel multiplies: ``"llm"``, our own
+(:mod:`llm.kernels.cpu_quant`, llama.cpp's method: activations quantized to int8 per 32 inputs,
+integer dot products; x86-64 CPUs with AVX2 or AVX512-VNNI), ``"torch"``, torch's quantized kernels
+(:mod:`llm.kernels.quant`, activations entering them in ``activation_dtype``; any CPU or GPU), or
+``"auto"``, ours where they run and torch's elsewhere, decided again whenever the layer moves to
+another device; ``kernel`` says which one a layer took. Outputs leave in the input's dtype, so the
+residual stream keeps the model's dtype.
+
+State dicts hold device- and kernel-independent tensors: int8 codes and float scales; for int4,
+the codes unpacked (uint8, one per weight) with ``scales_and_zeros``. Packing for the kernel
+happens on load and when the module moves to another device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llm.kernels import cpu_quant
+from llm.kernels.quant import aligned, int4_matmul, int4_pack, int4_unpack, int8_matmul
+
+
+_ROW_BLOCK = 4096
+#: The values of a quantized layer's ``backend``.
+BACKENDS = ("auto", "llm", "torch")
+
+
+@dataclass
+class QuantizationReport:
+    """What :func:`llm.quant.quantize` did: ``method``, ``group_size``, ``activation_dtype`` (a
+    torch dtype name), ``quantized`` (module names), ``kept`` (module name -> why it stayed
+    in floating point) and the ``backend`` asked for. Saved as ``quantization.json`` next to a
+    quantized bundle's weights, without the backend: that is the loader's choice."""
+
+    method: str
+    group_size: int
+    activation_dtype: str
+    quantized: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    source: str = "quantized"
+    backend: str = "auto"
+
+    def to_dict(self) -> dict:
+        return dict(method=self.method, group_size=self.group_size, activation_dtype=self.activation_dtype,
+                    quantized=list(self.quantized), kept=dict(self.kept), source=self.source)
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row (round to nearest): (codes int8 (rows, cols), scales float32 (rows,)).
+
+    ``scale = max |w| / 127`` per row (1 for an all-zero row), so ``codes * scale`` is within
+    ``scale / 2`` of ``w``.
+    """
+    rows = weight.shape[0]
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    # in blocks of rows: the float temporaries of a whole vocabulary-sized table would be a few
+    # times its fp32 size (the peak RSS of loading a 4-bit model)
+    for start in range(0, rows, _ROW_BLOCK):
+        w = weight[start:start + _ROW_BLOCK].detach().float()
+        s = w.abs().amax(dim=1) / 127
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        codes[start:start + _ROW_BLOCK] = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[start:start + _ROW_BLOCK] = s
+    return codes, scales
+
+
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group_size`` inputs (round to nearest, min-max range, as
+    gpt-fast's ``get_group_qparams``): (codes uint8 (out, in) in [0, 15], scales and zeros, each
+    float32 (out, in // group_size)), with ``w ~ (codes - 8) * scale + zero``."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (high - low) / 15
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    codes = torch.round((w - low[..., None]) / scales[..., None]).clamp_(0, 15)
+    zeros = low + 8 * scales
+    return codes.to(torch.uint8).reshape(out_features, in_features), scales, zeros
+
+
+def _moves_device(fn, tensor: torch.Tensor) -> torch.device | None:
+    """The device ``fn`` (an ``nn.Module._apply`` function) would move ``tensor`` to, if another."""
+    device = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device)).device
+    return device if device != tensor.device else None
+
+
+def _our_kernel(backend: str, device: torch.device, out_features: int, in_features: int,
+                group_size: int | None = None) -> bool:
+    """Whether a layer of this shape on ``device`` with ``backend`` takes :mod:`llm.kernels.cpu_quant`'s
+    kernels: ``"auto"`` and ``"llm"`` where they run and take the shape (a layer moved to a GPU or
+    a shape they cannot take falls back to torch's), ``"torch"`` never."""
+    return (backend != "torch" and device.type == "cpu"
+            and cpu_quant.supports(out_features, in_features, group_size) is None and cpu_quant.available(device))
+
+
+class _Int8Codes(nn.Module):
+    """An int8 table ``weight`` of ``(rows, cols)`` codes, held packed for our CPU kernel when
+    ``packed`` (see :func:`llm.kernels.cpu_quant.pack_int8`), else as they are; the state dict
+    holds the codes (rows, cols) either way, and a move to another device packs them for it."""
+
+    packed: bool
+    backend: str
+
+    def _shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        self.packed = _our_kernel(self.backend, codes.device, *self._shape())
+        self.register_buffer("weight", cpu_quant.pack_int8(codes) if self.packed else aligned(codes))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Called after the codes or scales change (a load, a move, a cast)."""
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes, (rows, cols)."""
+        return cpu_quant.unpack_int8(self.weight, self._shape()[0]) if self.packed else self.weight
+
+    def _apply(self, fn, recurse=True):
+        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
+        codes = self.codes() if target is not None else None
+        super()._apply(fn, recurse)
+        if codes is not None:
+            self._set_codes(codes.to(target))
+        self._refresh()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        codes = state_dict.get(prefix + "weight")
+        if codes is not None and self.packed:
+            if codes.dtype != torch.int8 or tuple(codes.shape) != self._shape():
+                error_msgs.append(f"{prefix}weight: expected int8 codes {self._shape()}, "
+                                  f"got {codes.dtype} {tuple(codes.shape)}")
+                return
+            state_dict = dict(state_dict)
+            state_dict[prefix + "weight"] = cpu_quant.pack_int8(codes)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        self._refresh()
+
+
+class Int8Linear(_Int8Codes):
+    """``nn.Linear`` with an int8 weight, one float scale per output feature.
+
+    With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
+    :func:`llm.kernels.cpu_quant.int8_linear` (activations quantized to int8 per 32 inputs, integer
+    dot products), else torch's ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype``
+    (``kernel`` ``"torch"``).
+
+    Buffers: ``weight`` int8 codes ((out_features, in_features); in the ``"llm"`` kernel's blocked
+    layout, see :meth:`codes`), ``scales`` (out_features,) float, ``bias`` (out_features,) float or
+    None. The state dict holds the codes (out_features, in_features) whatever the kernel.
+    ``forward``: (..., in_features) -> (..., out_features) in x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 activation_dtype: torch.dtype, *, packed: bool = False, in_features: int | None = None,
+                 backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+        self.out_features = scales.shape[0]
+        self.in_features = in_features if packed else weight.shape[1]
+        self.activation_dtype = activation_dtype
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+        if packed:
+            self.packed = True
+            self.register_buffer("weight", weight)
+            self._refresh()
+        else:
+            self._set_codes(weight)
+
+    def _shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def kernel(self) -> str:
+        """``"llm"`` (our CPU kernel) or ``"torch"``."""
+        return "llm" if self.packed else "torch"
+
+    def _refresh(self) -> None:
+        # The scales as the kernel takes them, cast once rather than at every call: inside a
+        # compiled graph the per-call cast is an unrealized pointwise node that inductor's
+        # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
+        scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
+        self.register_buffer("kernel_scales", scales, persistent=False)
+        cpu_quant.changed()
+
+    def _torch_dtype(self) -> torch.dtype:
+        # torch 2.7's CPU kernel with bfloat16 or float16 activations reads past the rows when
+        # in_features % 16 != 0 (wrong results, or a segfault from 18 rows on): float32 there
+        if self.weight.device.type == "cpu" and self.in_features % 16:
+            return torch.float32
+        return self.activation_dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype,
+                   backend: str = "auto") -> "Int8Linear":
+        """Quantize a float (out_features, in_features) weight per row; see :func:`int8_rows`."""
+        codes, scales = int8_rows(weight)
+        return cls(codes, scales, bias, activation_dtype, backend=backend)
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """(codes, scales, None) in our CPU kernel's layouts for a fused kernel
+        (:func:`llm.kernels.cpu_quant.decoder_blocks`), or None on torch's kernel or with a bias."""
+        return (self.weight, self.kernel_scales, None) if self.packed and self.bias is None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.packed:
+            out = cpu_quant.int8_linear(flat, self.weight, self.kernel_scales, self.out_features)
+        else:
+            out = int8_matmul(flat.to(self.kernel_scales.dtype), self.weight, self.kernel_scales)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        activations = "int8 per 32" if self.packed else self._torch_dtype()
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
+                f"activations={activations}")
+
+
+class Int8Embedding(_Int8Codes):
+    """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry).
+
+    Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
+    (see :meth:`tied_head`): the codes are kept in the layout of the output layer's kernel and
+    looked up there. The state dict holds them (num_embeddings, embedding_dim).
+    ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.register_buffer("scales", scales)
+        self._set_codes(weight)
+
+    def _shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, backend: str = "auto") -> "Int8Embedding":
+        """Quantize a float (num_embeddings, embedding_dim) table per row; see :func:`int8_rows`."""
+        return cls(*int8_rows(weight), backend=backend)
+
+    def tied_head(self, activation_dtype: torch.dtype) -> Int8Linear:
+        """The output layer ``x @ E.T`` over the same int8 storage (no copy)."""
+        return Int8Linear(self.weight, self.scales, None, activation_dtype, packed=self.packed,
+                          in_features=self.embedding_dim, backend=self.backend)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
+        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with an int4 weight in groups of ``group_size`` inputs, asymmetric (a scale and
+    a zero per group): ``w = (q - 8) * scale + zero``, ``q`` in [0, 15].
+
+    With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
+    :func:`llm.kernels.cpu_quant.int4_linear` (float16 scales and mins ``zero - 8 * scale``, which
+    hold a GGUF Q4_1 or Q4_0 block's own d and m exactly; activations quantized to int8 per 32
+    inputs). Elsewhere it is torch's
+    ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``; ``kernel`` ``"torch"``)
+    with ``scales_and_zeros`` (in_features // group_size, out_features, 2) in ``activation_dtype``,
+    x cast to it and the output back.
+
+    ``weight`` holds the kernel's packed codes. The state dict holds them unpacked, uint8
+    (out_features, in_features), with ``scales_and_zeros`` as above (float32 from the ``"llm"``
+    kernel), so a saved model loads on any CPU or GPU. ``forward``: (..., in_features) ->
+    (..., out_features) in x's dtype.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                 group_size: int, activation_dtype: torch.dtype, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+        self.out_features, self.in_features = codes.shape
+        self.group_size = group_size
+        self._activation_dtype = activation_dtype
+        self.register_buffer("bias", bias)
+        self._set_weights(codes, scales, zeros)
+
+    def _set_weights(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        """Pack codes (out, in) with scales and zeros (out, in // group_size) for the kernel of their device."""
+        device = codes.device
+        for name in ("scales_and_zeros", "kernel_scales", "kernel_mins"):
+            self._buffers.pop(name, None)
+        if _our_kernel(self.backend, device, self.out_features, self.in_features, self.group_size):
+            self.kernel = "llm"
+            scales, zeros = scales.float(), zeros.float()
+            packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, zeros - 8 * scales)
+            self.register_buffer("weight", packed)
+            self.register_buffer("kernel_scales", kernel_scales, persistent=False)
+            self.register_buffer("kernel_mins", mins, persistent=False)
+        else:
+            self.kernel = "torch"
+            self.register_buffer("weight", int4_pack(codes, device))
+            self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
+                                 .to(device=device, dtype=self._activation_dtype).contiguous())
+        cpu_quant.changed()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+                   activation_dtype: torch.dtype, backend: str = "auto") -> "Int4Linear":
+        """Quantize a float (out_features, in_features) weight; see :func:`int4_groups`."""
+        return cls(*int4_groups(weight, group_size), bias, group_size, activation_dtype, backend)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self._activation_dtype
+
+    def codes(self) -> torch.Tensor:
+        """The int4 codes, uint8 (out_features, in_features) in [0, 15]."""
+        if self.kernel == "llm":
+            return cpu_quant.unpack_int4(self.weight, self.kernel_scales, self.kernel_mins, self.out_features)[0]
+        return int4_unpack(self.weight, self.out_features, self.in_features, self.group_size)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and zeros, float32 (out_features, in_features // group_size) each, as the
+        kernel holds them (``w = (q - 8) * scale + zero``)."""
+        if self.kernel == "llm":
+            _, scales, mins = cpu_quant.unpack_int4(self.weight, self.kernel_scales, self.kernel_mins, self.out_features)
+            return scales.float(), mins.float() + 8 * scales.float()
+        return self.scales_and_zeros[..., 0].t().float(), self.scales_and_zeros[..., 1].t().float()
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scales, mins) in our CPU kernel's layouts for a fused kernel
+        (:func:`llm.kernels.cpu_quant.decoder_blocks`), or None on torch's kernel or with a bias."""
+        return (self.weight, self.kernel_scales, self.kernel_mins) if self.kernel == "llm" and self.bias is None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.kernel == "llm":
+            out = cpu_quant.int4_linear(flat, self.weight, self.kernel_scales, self.kernel_mins, self.group_size,
+                                        self.out_features)
+        else:
+            out = int4_matmul(flat.to(self.scales_and_zeros.dtype), self.weight, self.scales_and_zeros, self.group_size)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()
+        if self.kernel == "llm":
+            scales, zeros = self.groups()
+            destination[prefix + "scales_and_zeros"] = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        codes, groups = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scales_and_zeros")
+        shape = (self.in_features // self.group_size, self.out_features, 2)
+        if codes is not None and (codes.dtype != torch.uint8 or tuple(codes.shape) != (self.out_features, self.in_features)):
+            error_msgs.append(f"{prefix}weight: expected int4 codes uint8 {(self.out_features, self.in_features)}, "
+                              f"got {codes.dtype} {tuple(codes.shape)}")
+            return
+        if groups is not None and tuple(groups.shape) != shape:
+            error_msgs.append(f"{prefix}scales_and_zeros: expected {shape}, got {tuple(groups.shape)}")
+            return
+        for key, value in ((prefix + "weight", codes), (prefix + "scales_and_zeros", groups)):
+            if value is None:
+                missing_keys.append(key)
+        rest = {k: v for k, v in state_dict.items() if k not in (prefix + "weight", prefix + "scales_and_zeros")}
+        if codes is not None and groups is not None:
+            device = self.weight.device if self.weight.device.type != "meta" else codes.device
+            self._set_weights(codes.to(device), groups[..., 0].t().to(device), groups[..., 1].t().to(device))
+        missing = []
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected_keys, error_msgs)
+        missing_keys.extend(k for k in missing if k not in (prefix + "weight", prefix + "scales_and_zeros"))
+
+    def _apply(self, fn, recurse=True):
+        # the packed layout belongs to its device and kernel: unpack before a move, pack again after it
+        target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
+        weights = (self.codes(), *self.groups()) if target is not None else None
+        super()._apply(fn, recurse)
+        if weights is not None:
+            self._set_weights(*(t.to(target) for t in weights))
+        # a cast of the model (to float32, say) must not move the kernel off its own dtypes
+        if self.kernel == "llm":
+            self.kernel_scales = self.kernel_scales.to(torch.float16)
+            self.kernel_mins = self.kernel_mins.to(torch.float16)
+        else:
+            self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
+        cpu_quant.changed()
+        return self
+
+    def extra_repr(self) -> str:
+        activations = "int8 per 32" if self.kernel == "llm" else self.activation_dtype
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"kernel={self.kernel}, activations={activations}")

@@ -1,0 +1,342 @@
+"""The serving engine: continuous batching of many requests over one model, with prefix caching.
+
+Requests join the running batch at step boundaries and leave when they finish (Orca's
+iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's continuous batching):
+
+- a joining request's prompt is prefilled alone (only the part after the longest cached prefix,
+  :class:`~llm.serve.prefix.PrefixCache`), its first token sampled from that prefill's logits,
+  and its keys and values copied into a free slot of the :class:`~llm.serve.batch.SlotBatch`;
+- each step then feeds every row's last token in one forward; each row samples from its own
+  logits with its own :class:`~llm.generation.sampling.Sampler` and random generator, and stops
+  on its own eos, stop strings or ``max_new_tokens``. A row's tokens are those of the same
+  request run alone through ``generate`` (greedy; with a seed, the same draws): its positions,
+  mask and sampling are its own, whatever else is in the batch;
+- a request that asks for reference decoding (``prompt_lookup_num_tokens``) decodes in a loop
+  of its own (:func:`~llm.generation.generate.start_decoding`), one verification forward per
+  engine step, alongside the batch.
+
+The engine runs on one thread (:meth:`Engine.start`); :meth:`Engine.submit` is safe to call from
+any other, and reports each new token through a callback on the engine's thread. The queue of
+requests waiting for a slot is bounded: a full queue raises :class:`QueueFull` at submission.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from llm.cache import DynamicCache
+from llm.generation.compiled import PREFILL_CHUNK, StaticDecoder
+from llm.generation.config import GenerationConfig
+from llm.generation.decoding import StopStrings, check_token_ids
+from llm.generation.generate import start_decoding
+from llm.generation.sampling import Sampler
+from llm.serve.batch import SlotBatch
+from llm.serve.prefix import PrefixCache, layers_of
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue of waiting requests is full: try again later (HTTP 429)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One submitted prompt and what the engine has made of it.
+
+    Attributes:
+        prompt: the prompt's token ids; options: its decoding options.
+        tokens: the new token ids so far.
+        finish_reason: None while running; "stop" (eos or a stop string), "length"
+            (``max_new_tokens``), "cancelled" or "error" (then ``error`` says what went wrong).
+        cached_tokens: prompt positions taken from the prefix cache instead of computed.
+    """
+
+    prompt: list[int]
+    options: GenerationConfig
+    callback: Callable[["Sequence", list[int], str | None], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    cancelled: bool = False
+    # the engine's state of the running row
+    sampler: Sampler | None = None
+    seen: torch.Tensor | None = None
+    eos: frozenset = frozenset()
+    stop: StopStrings | None = None
+    decoding: object = None
+    decoding_steps: object = None
+
+    def cancel(self) -> None:
+        """Stop decoding this sequence (a client gone): its row is freed at the next step."""
+        self.cancelled = True
+
+
+class Engine:
+    """Continuous batching over one model.
+
+    Args:
+        model: a :class:`~llm.model.MosaicGPT` as ``from_pretrained`` loads it (any dtype, any
+            quantization).
+        tokenizer: decodes new tokens for stop strings (needed only by requests with
+            ``stop_strings``).
+        max_batch_size: the most sequences decoding at once.
+        max_queue: the most sequences waiting for a slot; more raise :class:`QueueFull`.
+        prefix_cache_tokens: positions the prefix cache may hold (0: no prefix caching).
+        compile: run prefill and the batch's step through ``torch.compile``
+            (:mod:`llm.generation.compiled`; one graph per slot count and buffer capacity).
+
+    Raises:
+        ValueError: for a max_batch_size or max_queue below 1, or a negative prefix_cache_tokens.
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, max_queue: int = 64,
+                 prefix_cache_tokens: int = 4096, compile: bool = False):
+        if max_batch_size < 1 or max_queue < 1:
+            raise ValueError(f"max_batch_size and max_queue must be >= 1, got {max_batch_size} and {max_queue}")
+        self.model, self.tokenizer, self.compile = model, tokenizer, compile
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.batch = SlotBatch(model, max_batch_size, compile=compile)
+        self.solo: list[Sequence] = []
+        self.prefix = PrefixCache(prefix_cache_tokens)
+        self._waiting: deque[Sequence] = deque()
+        self._work = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0
+
+    # -- submission (any thread) ------------------------------------------------------------
+    def submit(self, requests: list[tuple[list[int], GenerationConfig]],
+               callback: Callable[[Sequence, list[int], str | None], None] | None = None) -> list[Sequence]:
+        """Queue prompts (all or none); return their :class:`Sequence`\\ s.
+
+        Args:
+            requests: (prompt token ids, options) pairs; options as ``generate``'s
+                (``max_new_tokens``, sampling, ``seed``, ``eos_token_id``, ``stop_strings``,
+                ``prompt_lookup_num_tokens``...).
+            callback: called on the engine's thread as ``callback(sequence, new_token_ids,
+                finish_reason)`` for each step's new tokens, finish_reason None until the last.
+
+        Raises:
+            QueueFull: if the waiting queue cannot take them all.
+            ValueError: for an empty prompt, ids outside the vocabulary, stop strings without a
+                tokenizer, more sequences than the queue holds, or (learned positions) a prompt
+                and max_new_tokens beyond max_seq_len.
+        """
+        config = self.model.config
+        sequences = []
+        for prompt, options in requests:
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one token")
+            check_token_ids(torch.tensor(prompt), config.vocab_size, "prompt")
+            needed = len(prompt) + options.max_new_tokens - 1
+            if config.learned_pos_emb and needed > config.max_seq_len:
+                raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={options.max_new_tokens} needs "
+                                 f"{needed} positions, more than max_seq_len={config.max_seq_len}")
+            if options.stop_strings and self.tokenizer is None:
+                raise ValueError("stop strings need the engine's tokenizer")
+            sequences.append(Sequence(list(prompt), options, callback))
+        if len(sequences) > self.max_queue:
+            raise ValueError(f"{len(sequences)} sequences in one request, more than the queue of {self.max_queue}")
+        with self._work:
+            if len(self._waiting) + len(sequences) > self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} sequences are waiting (the queue holds {self.max_queue})")
+            self._waiting.extend(sequences)
+            self._work.notify()
+        return sequences
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch) + len(self.solo)
+
+    # -- the loop (the engine's thread) -----------------------------------------------------
+    def start(self) -> "Engine":
+        """Run :meth:`step` on a thread of its own until :meth:`close`."""
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the engine's thread (after its current step)."""
+        with self._work:
+            self._closed = True
+            self._work.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._closed:
+            if not self.step():
+                with self._work:
+                    if not self._waiting and not self._closed:
+                        self._work.wait(timeout=1.0)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One iteration: drop cancelled sequences, admit waiting ones while slots are free (each
+        prefilled, its first token emitted), then one token for every batch row and one step of
+        each reference-decoding row. Returns whether there was anything to do (False: idle)."""
+        self._drop_cancelled()
+        admitted = self._admit()
+        if len(self.batch):
+            self._decode_batch()
+        for sequence in list(self.solo):
+            self._advance_solo(sequence)
+        self.steps += 1
+        return bool(admitted or self.running or self._waiting)
+
+    def _drop_cancelled(self) -> None:
+        gone = []
+        with self._work:
+            for sequence in [s for s in self._waiting if s.cancelled]:
+                self._waiting.remove(sequence)
+                gone.append(sequence)
+        for slot, sequence in enumerate(self.batch.rows):
+            if sequence is not None and sequence.cancelled:
+                self.batch.leave(slot)
+                gone.append(sequence)
+        for sequence in [s for s in self.solo if s.cancelled]:
+            self.solo.remove(sequence)
+            gone.append(sequence)
+        self.batch.shrink()
+        for sequence in gone:
+            sequence.finish_reason = "cancelled"
+            self._report(sequence, [], "cancelled")
+
+    def _admit(self) -> int:
+        admitted = 0
+        while self.running < self.max_batch_size:
+            with self._work:
+                if not self._waiting:
+                    break
+                sequence = self._waiting.popleft()
+            admitted += 1
+            try:
+                self._start(sequence)
+            except Exception as err:  # one bad request must not stop the others
+                log.exception("request %d failed at prefill", sequence.id)
+                self._fail(sequence, err)
+        return admitted
+
+    def _start(self, sequence: Sequence) -> None:
+        options, model = sequence.options, self.model
+        ids = torch.tensor([sequence.prompt], device=model.device)
+        cached, past = self.prefix.lookup(sequence.prompt)
+        sequence.cached_tokens = cached
+        if options.prompt_lookup_num_tokens is not None:
+            sequence.decoding = start_decoding(model, ids, options, past_key_values=past, tokenizer=self.tokenizer,
+                                               compile=self.compile)
+            sequence.decoding_steps = iter(sequence.decoding)
+            self.solo.append(sequence)
+            self._advance_solo(sequence)
+            return
+        generator = (torch.Generator(device=model.device).manual_seed(options.seed)
+                     if options.seed is not None else None)
+        sequence.sampler = Sampler(options, generator)
+        if sequence.sampler.repetition_penalty is not None:
+            sequence.seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool, device=model.device)
+            sequence.seen[0, ids[0]] = True
+        eos = options.eos_token_id
+        sequence.eos = frozenset([eos] if isinstance(eos, int) else (eos or ()))
+        sequence.stop = StopStrings(options.stop_strings, self.tokenizer) if options.stop_strings else None
+        logits, layers = self._prefill(ids, cached, past)
+        self.prefix.store(sequence.prompt, layers)
+        token = int(sequence.sampler.pick(logits, sequence.seen)[0])
+        if not self._emit(sequence, token):
+            self.batch.join(sequence, layers)
+
+    def _prefill(self, ids: torch.Tensor, cached: int, past) -> tuple[torch.Tensor, list]:
+        """Run prompt positions cached.. (after ``past``); return the (1, vocab) logits of its last
+        token and the whole prompt's keys and values per layer."""
+        length = ids.shape[1]
+        if self.compile:
+            end = cached + -(-(length - cached) // PREFILL_CHUNK) * PREFILL_CHUNK
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            decoder = StaticDecoder(self.model, mask, end, past, compile=True)
+            logits = decoder.prefill(ids[:, cached:], mask, torch.tensor([length - 1], device=ids.device))
+            return logits, layers_of(decoder.cache, length)
+        cache = past if past is not None else DynamicCache()
+        out = self.model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], layers_of(cache, length)
+
+    def _decode_batch(self) -> None:
+        try:
+            logits = self.batch.step(lambda sequence: sequence.tokens[-1])
+        except Exception as err:  # the batch is lost; the server goes on with new requests
+            log.exception("a batch step failed")
+            for sequence in self.batch.rows:
+                if sequence is not None:
+                    self._fail(sequence, err)
+            self.batch = SlotBatch(self.model, self.max_batch_size, compile=self.compile)
+            return
+        finished = []
+        for slot, sequence in enumerate(self.batch.rows):
+            if sequence is not None:
+                token = int(sequence.sampler.pick(logits[slot:slot + 1], sequence.seen)[0])
+                if self._emit(sequence, token):
+                    finished.append(slot)
+        for slot in finished:
+            sequence = self.batch.rows[slot]
+            # the cache holds the prompt and every new token but the last (never fed)
+            self.prefix.store(sequence.prompt + sequence.tokens[:-1], self.batch.leave(slot))
+        self.batch.shrink()
+
+    def _emit(self, sequence: Sequence, token: int) -> bool:
+        """Record a batch row's new token; report it; return whether the row is finished."""
+        sequence.tokens.append(token)
+        if sequence.seen is not None:
+            sequence.seen[0, token] = True
+        reason = None
+        if token in sequence.eos or (sequence.stop is not None and sequence.stop.hit(sequence.tokens)):
+            reason = "stop"
+        elif len(sequence.tokens) >= sequence.options.max_new_tokens:
+            reason = "length"
+        sequence.finish_reason = reason
+        self._report(sequence, [token], reason)
+        return reason is not None
+
+    def _advance_solo(self, sequence: Sequence) -> None:
+        decoding = sequence.decoding
+        try:
+            chunk = next(sequence.decoding_steps)
+        except Exception as err:
+            log.exception("request %d failed", sequence.id)
+            self.solo.remove(sequence)
+            self._fail(sequence, err)
+            return
+        new = chunk[0].tolist()
+        sequence.tokens.extend(new)
+        stopped = bool(decoding.finished[0])
+        reason = "stop" if stopped else ("length" if len(sequence.tokens) >= decoding.max_new_tokens else None)
+        sequence.finish_reason = reason
+        self._report(sequence, new, reason)
+        if reason is not None:
+            self.solo.remove(sequence)
+            length = decoding.cache.get_seq_length()
+            self.prefix.store((sequence.prompt + sequence.tokens)[:length], layers_of(decoding.cache, length))
+
+    def _fail(self, sequence: Sequence, err: Exception) -> None:
+        sequence.finish_reason, sequence.error = "error", f"{type(err).__name__}: {err}"
+        self._report(sequence, [], "error")
+
+    def _report(self, sequence: Sequence, tokens: list[int], reason: str | None) -> None:
+        if sequence.callback is not None:
+            try:
+                sequence.callback(sequence, tokens, reason)
+            except Exception:
+                log.exception("the callback of request %d failed", sequence.id)

@@ -1,0 +1,137 @@
+"""Composer callbacks for looking at a run: loss curves as a PNG, and the resolved config as YAML.
+
+* :class:`CurvePlotter` records the training loss (Composer's all-reduced ``loss/train/total``,
+  nats/token) and learning rate after every batch, and every evaluator's metrics at the end of
+  each evaluation; it draws them into ``<folder>/curves.png`` (and writes the numbers to
+  ``<folder>/curves.json``) after each evaluation and at the end of ``fit``. Its history is part
+  of Composer's checkpoints (``state_dict``), so a resumed run's plot covers the whole run.
+* :class:`ConfigSaver` writes the run's resolved config to ``<folder>/config.yaml`` when ``fit``
+  starts.
+
+Both write on global rank 0 only, to a temporary file renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+from composer.utils import dist
+from omegaconf import DictConfig, OmegaConf
+
+from llm.io import atomic_write
+
+CURVES_PNG = "curves.png"
+CURVES_JSON = "curves.json"
+CONFIG_YAML = "config.yaml"
+
+
+def _replace_file(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda tmp: write(Path(tmp)))
+
+
+class CurvePlotter(Callback):
+    """Record training loss, learning rate and evaluation metrics; plot them to a PNG.
+
+    Args:
+        folder: where ``curves.png`` and ``curves.json`` go (the run's ``save_folder``).
+        title: the plot's title (default: the run name).
+
+    Attributes:
+        train: ``[[batch, loss, lr], ...]``, one row per training batch.
+        eval: ``{label: {metric: [[batch, value], ...]}}``, one point per evaluation.
+    """
+
+    def __init__(self, folder: str | os.PathLike, title: str | None = None):
+        self.folder = Path(folder)
+        self.title = title
+        self.train: list[list[float]] = []
+        self.eval: dict[str, dict[str, list[list[float]]]] = {}
+
+    # -- Composer events ------------------------------------------------------------------------
+    def batch_end(self, state: State, logger: Logger) -> None:
+        loss = (state.total_loss_dict or {}).get("loss/train/total")
+        if loss is None:  # e.g. a skipped step under gradient scaling
+            return
+        lr = state.optimizers[0].param_groups[0]["lr"] if state.optimizers else math.nan
+        self.train.append([int(state.timestamp.batch), float(loss), float(lr)])
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        label = state.dataloader_label or "eval"
+        batch = int(state.timestamp.batch)
+        for name, value in state.eval_metric_values.items():
+            self.eval.setdefault(label, {}).setdefault(name, []).append([batch, float(value)])
+        self.save(state.run_name)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.save(state.run_name)
+
+    # -- checkpointed state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"train": [list(row) for row in self.train],
+                "eval": {k: {m: [list(p) for p in v] for m, v in d.items()} for k, d in self.eval.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train = [list(row) for row in state.get("train", [])]
+        self.eval = {k: {m: [list(p) for p in v] for m, v in d.items()} for k, d in state.get("eval", {}).items()}
+
+    # -- output -----------------------------------------------------------------------------------
+    def save(self, run_name: str | None = None) -> None:
+        """Write ``curves.json`` and ``curves.png`` (global rank 0 only)."""
+        if dist.get_global_rank() != 0:
+            return
+        data = {"run_name": run_name, **self.state_dict()}
+        _replace_file(self.folder / CURVES_JSON, lambda p: p.write_text(json.dumps(data) + "\n"))
+        _replace_file(self.folder / CURVES_PNG, lambda p: self.figure(run_name).savefig(p, format="png", dpi=100))
+
+    def figure(self, run_name: str | None = None):
+        """A matplotlib ``Figure`` (Agg canvas, no pyplot): loss and eval cross-entropy over batches, and lr."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(8, 6), layout="constrained")
+        FigureCanvasAgg(fig)
+        loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+        if self.train:
+            batches, losses, lrs = zip(*self.train)
+            loss_ax.plot(batches, losses, lw=0.8, alpha=0.8, label="train loss")
+            lr_ax.plot(batches, lrs, color="tab:gray")
+        for label, metrics in self.eval.items():
+            points = metrics.get("LanguageCrossEntropy")
+            if points:
+                xs, ys = zip(*points)
+                loss_ax.plot(xs, ys, marker="o", ms=4, lw=1.2, label=f"{label} cross-entropy")
+        loss_ax.set_ylabel("nats / token")
+        loss_ax.grid(alpha=0.3)
+        if loss_ax.has_data():
+            loss_ax.legend()
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.set_xlabel("batch")
+        lr_ax.grid(alpha=0.3)
+        fig.suptitle(self.title or run_name or "training")
+        return fig
+
+
+class ConfigSaver(Callback):
+    """Write the run's resolved config to ``<folder>/config.yaml`` at ``fit_start`` (global rank 0).
+
+    A resumed run overwrites it with its own config: one that differs only in keys that leave the
+    weights as they are (e.g. a longer ``max_duration``), or that ``allow_config_change`` let through
+    (:mod:`llm.train.run_folder` checks before training). It is written when ``fit`` starts, not
+    before: a run that does not train (already at ``max_duration``) keeps the config its weights had.
+    """
+
+    def __init__(self, cfg: Mapping | DictConfig, folder: str | os.PathLike, filename: str = CONFIG_YAML):
+        container = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+        self.yaml = OmegaConf.to_yaml(OmegaConf.create(container))
+        self.path = Path(folder) / filename
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if dist.get_global_rank() == 0:
+            _replace_file(self.path, lambda p: p.write_text(self.yaml))
