@@ -21,7 +21,7 @@ from llm.utils.pretrained import PRETRAINED, pretrained_path
 
 EXAMPLE = """example:
   llm fetch smollm2-135m-instruct
-  llm generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  llm generate --model smollm2-135m-instruct --chat --prompt "What is the capital of Germany?"
 """
 
 

@@ -49,7 +49,7 @@ def _option(name: str, parse=int):
 def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  llm generate --model smollm2-135m-instruct --chat --stream "
-                              "--prompt \"What is the capital of France?\"\n  llm generate --model runs/shakespeare/model "
+                              "--prompt \"What is the capital of Germany?\"\n  llm generate --model runs/shakespeare/model "
                               "--prompt \"ROMEO:\" --max-new-tokens 200")
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")

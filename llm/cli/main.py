@@ -27,7 +27,7 @@ USAGE = "usage: llm COMMAND [options]   (llm COMMAND --help for its flags)\n\nco
     f"  {name:<9} {what}\n" for name, (_, what) in COMMANDS.items()) + """
 example:
   llm fetch smollm2-135m-instruct
-  llm generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  llm generate --model smollm2-135m-instruct --chat --prompt "What is the capital of Germany?"
 """
 
 

@@ -64,7 +64,7 @@ def loader(args):
         engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                         prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile).start()
         logging.getLogger("llm.serve").info("serving %s (%s parameters)", args.served_model_name or args.model,
-                                            f"{sum(p.numel() for p in model.parameters()):,}")
+                                            f"{model.num_parameters():,}")  # quantized weights are buffers
         return Served(engine, tokenizer, args.served_model_name or args.model, defaults, model.config.max_seq_len)
 
     return load

@@ -135,7 +135,8 @@ class MosaicGPT(nn.Module):
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Parameter) and weight.data_ptr() not in shared:
                 shared.add(weight.data_ptr())
-                n += getattr(module, "out_features", 0) * getattr(module, "in_features", 0) or weight.numel()
+                n += (getattr(module, "out_features", 0) * getattr(module, "in_features", 0)
+                      or getattr(module, "num_embeddings", 0) * getattr(module, "embedding_dim", 0) or weight.numel())
                 bias = getattr(module, "bias", None)
                 n += bias.numel() if bias is not None else 0
         if exclude_embeddings:

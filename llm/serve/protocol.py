@@ -473,25 +473,27 @@ class _Response(_Out):
     object: str
     created: int
     model: str
-    usage: Usage | None = None
 
 
 class Completion(_Response):
     """A ``text_completion``: the answer of /v1/completions, whole or one stream chunk."""
 
     choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class ChatCompletion(_Response):
     """A ``chat.completion``: the whole answer of /v1/chat/completions."""
 
     choices: list[ChatChoice]
+    usage: Usage | None = None
 
 
 class ChatCompletionChunk(_Response):
     """A ``chat.completion.chunk``: one event of a streamed /v1/chat/completions answer."""
 
     choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

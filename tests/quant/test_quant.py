@@ -264,3 +264,14 @@ def test_int8_kernel_scales_follow_loaded_and_cast_scales(ours):
     layer.to(torch.float16)  # the kernel's own dtypes stay: torch's bfloat16 activations, our float32 scales
     expected = torch.float32 if layer.kernel == "llm" else torch.bfloat16
     assert layer.kernel_scales.dtype == expected and layer(x.half()).dtype == torch.float16
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_quantized_model_counts_the_parameters_it_was_made_from(method, tied):
+    """Packed and padded kernel layouts count as the logical (out x in) weights, a tied head once."""
+    from tests.conftest import tiny_model
+
+    float_model = tiny_model("llama", vocab_size=29, tie_word_embeddings=tied)
+    quantized = tiny_model("llama", vocab_size=29, tie_word_embeddings=tied, quantization=method)
+    assert quantized.num_parameters() == float_model.num_parameters()

@@ -28,8 +28,16 @@ def bundle(tmp_path_factory):
     return path
 
 
-def test_the_script_serves_a_bundle_until_interrupted(bundle):
-    process = subprocess.Popen([*SCRIPT, "--model", str(bundle), "--port", "0", "--served-model-name", "tiny",
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_the_script_serves_a_bundle_until_interrupted(bundle, quantization, tmp_path):
+    model = bundle
+    if quantization is not None:  # its weights are buffers: the log still counts them
+        model = tmp_path / "quantized"
+        tokenizer = build_char_tokenizer(string.ascii_lowercase + " ")
+        tiny = tiny_model("rope", vocab_size=len(tokenizer), quantization=quantization)
+        tiny.save_pretrained(model, tokenizer=tokenizer)
+    expected = f"serving tiny ({tiny_model('rope', vocab_size=29).num_parameters():,} parameters)"
+    process = subprocess.Popen([*SCRIPT, "--model", str(model), "--port", "0", "--served-model-name", "tiny",
                                 "--threads", "1"], stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -47,6 +55,7 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
+    assert expected in process.stderr.read()
 
 
 def test_a_model_that_cannot_load_ends_the_server_with_one_line(tmp_path):
