@@ -2,6 +2,11 @@
 cache, the padding mask, positions and ALiBi's bias, each checked against the model with an error
 that names what was wrong. Functions of the model, as gpt-fast's model code keeps its helpers
 beside the module.
+
+On the CPU a check reads its result (free there) and raises a ValueError; on an accelerator the
+value checks (token ids, learned positions) are ``torch._assert_async`` on the device, and the
+padding mask is taken as given, so that a decoding step never waits for the device
+(``generate`` checks a prompt's ids once, with the clear error, before decoding).
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ def embed(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
     if input_ids is not None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        check_token_ids(input_ids, model.config.vocab_size)
+        if input_ids.device.type == "cpu":
+            check_token_ids(input_ids, model.config.vocab_size)
+        else:  # checked on the device: reading a result back would stall every decoding step
+            vocab_size = model.config.vocab_size
+            torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
+                                f"input_ids hold a token id outside [0, {vocab_size})")
         return model.wte(input_ids)
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != model.config.d_model:
         raise ValueError(
@@ -74,6 +84,8 @@ def padding_mask(model, attention_mask, batch: int, past: int, seq: int, device)
             f"({batch}, {past} + {seq}), got {tuple(attention_mask.shape)}"
         )
     attention_mask = attention_mask.to(device=device, dtype=torch.bool)
+    if attention_mask.device.type != "cpu":  # no host sync on an accelerator: the masked path
+        return attention_mask
     return None if bool(attention_mask.all()) else attention_mask  # no padding: the unmasked fast paths
 
 
@@ -94,7 +106,10 @@ def positions(model, x: torch.Tensor, position_ids, attention_mask, past: int):
         raise ValueError(f"position_ids must be (batch or 1, seq) = ({batch}, {seq}), got {tuple(position_ids.shape)}")
     if model.wpe is None:
         return x, model.rotary(position_ids, x.dtype)
-    if int(position_ids.max()) >= model.config.max_seq_len:
+    if position_ids.device.type != "cpu":
+        torch._assert_async((position_ids < model.config.max_seq_len).all(),
+                            f"a position is beyond max_seq_len={model.config.max_seq_len}")
+    elif int(position_ids.max()) >= model.config.max_seq_len:
         raise ValueError(f"position {int(position_ids.max())} is beyond max_seq_len={model.config.max_seq_len}")
     return x + model.wpe(position_ids), None
 
