@@ -99,6 +99,10 @@ class Cache:
             raise ValueError(f"layer {layer_idx} has no storage: the cache holds {len(self._keys)} layers")
         return self._keys[layer_idx], self._values[layer_idx]
 
+    def storages(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's whole key storage and value storage (see :meth:`storage`), in layer order."""
+        return list(self._keys), list(self._values)
+
     def reserve(self, config, batch_size: int, length: int, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate (or grow) every layer's storage for at least ``length`` positions, for a
         forward that writes its new keys at ``cache_position`` (:meth:`storage`); the length is not
@@ -391,19 +395,37 @@ class DynamicCache(Cache):
 
     Storage doubles when full, so decoding a token writes in place (amortised O(1) copies per
     token, against O(length) for transformers' ``torch.cat``-based DynamicCache).
+
+    Args:
+        capacity: positions to allocate at a layer's first write (at least the keys written
+            then, at least 64): a caller that knows how far it will decode (``generate``: prompt
+            + ``max_new_tokens``) passes it, so no step pays for a grow.
     """
 
     _MIN_CAPACITY = 64
 
+    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        super().__init__()
+        self._capacity = max(int(capacity), self._MIN_CAPACITY)
+
+    def expect(self, length: int) -> "DynamicCache":
+        """Make room for ``length`` positions now: allocated layers grow once to it, layers
+        written later start with it (a caller about to decode to a known length). Returns self."""
+        self._capacity = max(self._capacity, int(length))
+        for layer, keys in enumerate(self._keys):
+            if keys.shape[2] < length:
+                self._grow(layer, length, exact=True)
+        return self
+
     def _allocate_layer(self, key, value):
-        capacity = max(key.shape[2], self._MIN_CAPACITY)
+        capacity = max(key.shape[2], self._capacity)
         self._keys.append(_empty(key, capacity))
         self._values.append(_empty(value, capacity))
         self._lengths.append(0)
 
-    def _grow(self, layer_idx, needed):
+    def _grow(self, layer_idx, needed, exact=False):
         n = self._lengths[layer_idx]
-        capacity = max(needed, 2 * self._keys[layer_idx].shape[2])
+        capacity = needed if exact else max(needed, 2 * self._keys[layer_idx].shape[2])
         for store in (self._keys, self._values):
             old = store[layer_idx]
             new = _empty(old, capacity)

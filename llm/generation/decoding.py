@@ -26,6 +26,10 @@ from llm.generation.config import GenerationConfig
 from llm.generation.sampling import Sampler
 
 
+#: The most positions ``generate`` allocates a cache for up front (SmolLM2: 46 KB a position).
+_EXPECT_LIMIT = 8192
+
+
 @dataclass
 class GenerateOutput:
     """What ``generate(..., return_dict_in_generate=True)`` returns.
@@ -56,8 +60,11 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str = "input_ids")
     """
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bool(bad.any()):
+    if ids.numel() == 0:
+        return
+    lowest, highest = torch.aminmax(ids)  # one op in a decoding step, the mask only on error
+    if int(lowest) < 0 or int(highest) >= vocab_size:
+        bad = (ids < 0) | (ids >= vocab_size)
         where = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"{name} holds token id {int(ids[where])} (at index {list(where)}), outside the "
                          f"vocabulary of {vocab_size} tokens (ids 0 to {vocab_size - 1})")
@@ -111,6 +118,10 @@ class Decoding:
 
         cache = Cache.from_legacy(past_key_values) if isinstance(past_key_values, (tuple, list)) else past_key_values
         needed = self._open_cache(cache)
+        if isinstance(self.cache, DynamicCache):
+            # room for the whole call now (a draft's verify chunk may run past the last token), so
+            # no decode step pays for a grow; past _EXPECT_LIMIT positions storage doubles as needed
+            self.cache.expect(min(needed + (2 * proposer.num_tokens if proposer is not None else 0), _EXPECT_LIMIT))
 
         if attention_mask is None:
             attention_mask = torch.ones(self.batch, self.prompt_len, dtype=torch.bool, device=device)
@@ -140,7 +151,7 @@ class Decoding:
         if sampler.repetition_penalty is not None:
             self.seen = torch.zeros(self.batch, config.vocab_size, dtype=torch.bool, device=device)
             self.seen.scatter_(1, self.history, self.mask[:, : self.history.shape[1]])
-        self.finished = torch.zeros(self.batch, dtype=torch.bool, device=device)
+        self.finished = [False] * self.batch
         self.new_tokens: list[list[int]] = [[] for _ in range(self.batch)]
         # token counts are of real tokens: padding and the pad tokens of finished rows do not count
         self.stats = dict(prefill_tokens=int(self.mask[:, self.cached:].sum()), new_tokens=0, forward_passes=0,
@@ -174,14 +185,12 @@ class Decoding:
         return needed
 
     def _eos_and_pad(self, options: GenerationConfig) -> None:
-        """The eos ids as a tensor (or None) and the id finished rows feed the model: ``pad_token_id``,
+        """The eos ids (a tuple, maybe empty) and the id finished rows feed the model: ``pad_token_id``,
         by default the first eos id."""
-        self.eos = None
-        if options.eos_token_id is not None:
-            ids = [options.eos_token_id] if isinstance(options.eos_token_id, int) else list(options.eos_token_id)
-            self.eos = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        eos = options.eos_token_id
+        self.eos = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(i) for i in eos)
         pad = options.pad_token_id
-        self.pad = pad if pad is not None else (int(self.eos[0]) if self.eos is not None else 0)
+        self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
         vocab_size = self.model.config.vocab_size
         if self.pad >= vocab_size:  # finished rows feed it to the model
             which = "pad_token_id" if pad is not None else "pad_token_id (by default the first eos_token_id)"
@@ -225,7 +234,7 @@ class Decoding:
         start = time.perf_counter()
         chunk = self._emit(token[:, None])
         yield chunk
-        while not bool(self.finished.all()) and len(self.new_tokens[0]) < self.max_new_tokens:
+        while not all(self.finished) and len(self.new_tokens[0]) < self.max_new_tokens:
             chunk = self._step(chunk[:, -1])
             yield chunk
         self.decode_s = time.perf_counter() - start
@@ -304,25 +313,23 @@ class Decoding:
     def _emit(self, tokens: torch.Tensor) -> torch.Tensor:
         """Record (batch, n) new tokens: cut at max_new_tokens and where the last row stops (eos or a
         stop string); rows that stopped earlier get ``pad_token_id``."""
-        tokens = tokens[:, : self.max_new_tokens - len(self.new_tokens[0])].clone()
+        rows = tokens[:, : self.max_new_tokens - len(self.new_tokens[0])].tolist()  # one read, then Python
         keep = 0
-        for j in range(tokens.shape[1]):
-            if bool(self.finished.all()):
+        for j in range(len(rows[0])):
+            if all(self.finished):
                 break
             keep = j + 1
-            for row in range(self.batch):
-                if bool(self.finished[row]):
-                    tokens[row, j] = self.pad
+            for row, values in enumerate(rows):
+                if self.finished[row]:
+                    values[j] = self.pad
                     self.new_tokens[row].append(self.pad)
                     continue
-                t = int(tokens[row, j])
+                t = values[j]
                 self.new_tokens[row].append(t)
                 self.stats["new_tokens"] += 1
-                if (self.eos is not None and bool((self.eos == t).any())) or (
-                    self.stop is not None and self.stop.hit(self.new_tokens[row])
-                ):
+                if t in self.eos or (self.stop is not None and self.stop.hit(self.new_tokens[row])):
                     self.finished[row] = True
-        tokens = tokens[:, :keep]
+        tokens = torch.tensor([values[:keep] for values in rows], dtype=torch.long, device=tokens.device)
         self.history = torch.cat([self.history, tokens], dim=1)
         if self.seen is not None:
             self.seen.scatter_(1, tokens, True)

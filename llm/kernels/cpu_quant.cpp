@@ -263,6 +263,35 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   return out;
 }
 
+// Rows `ids` of a packed int8 table (blocks, K / 4, 16, 4), each times its row's scale: float32
+// (*ids.shape, K), the values of `float(code) * scale` (an embedding lookup in one call, with no
+// unpacked copy of a table the output layer shares).
+at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids_in) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4 && codes.scalar_type() == at::kChar &&
+              codes.is_contiguous(), "codes must be the packed int8 layout (blocks, K / 4, 16, 4)");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "scales must be contiguous float32 (rows,)");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong, "ids must be int64");
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t steps = codes.size(1), K = steps * 4, n = ids.numel();
+  const int64_t rows = std::min<int64_t>(codes.size(0) * kLanes, scales.size(0));
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  at::Tensor out = at::empty(shape, scales.options());
+  const int8_t* table = codes.data_ptr<int8_t>();
+  const float* scale = scales.data_ptr<float>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = id[i];
+    TORCH_CHECK(0 <= r && r < rows, "id ", r, " is outside the table's ", rows, " rows");
+    const int8_t* row = table + ((r / kLanes) * steps * kLanes + r % kLanes) * 4;
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t c = 0; c < 4; ++c) o[i * K + 4 * s + c] = static_cast<float>(row[s * kLanes * 4 + c]) * scale[r];
+  }
+  return out;
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * weight per row of x (rows, D), float32: the fused blocks' norm
 // (the mean summed in double, so that a row's result does not depend on the other rows).
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -477,6 +506,7 @@ TORCH_LIBRARY(llm, m) {
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
   m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
         "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
@@ -487,6 +517,7 @@ TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int4_linear", &int4_linear_cpu);
   m.impl("int8_linear", &int8_linear_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("int8_embedding", &int8_embedding_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("decoder_blocks", &decoder_blocks_cpu);
 }

@@ -161,6 +161,10 @@ def _register_fakes() -> None:
     def _(x, codes, scales, n):
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
+    @torch.library.register_fake("llm::int8_embedding")
+    def _(codes, scales, ids):
+        return scales.new_empty((*ids.shape, codes.shape[1] * 4))
+
     @torch.library.register_fake("llm::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -240,6 +244,18 @@ def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     lookup that needs no second, unpacked copy of a tied table)."""
     steps = packed.shape[1]
     return packed[ids // LANES, :, ids % LANES].reshape(*ids.shape, steps * 4)
+
+
+def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (any shape, int64) of a packed int8 table times their float32 ``scales`` (rows,):
+    float32 (*ids.shape, K), the bits of ``gather_int8_rows(packed, ids).float() * scales[ids, None]``
+    in one call.
+
+    Raises:
+        RuntimeError: an id outside the table, or another layout or dtype.
+    """
+    _require()
+    return torch.ops.llm.int8_embedding(packed, scales, ids)
 
 
 def _require() -> None:

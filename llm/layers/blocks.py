@@ -155,14 +155,22 @@ def forward_blocks(blocks, x: torch.Tensor, past_key_values=None, attn_bias=None
 
 
 def _decoder_blocks(run: list[_Fused], x, rotary, cache_position, attn_mask) -> torch.Tensor:
-    batch, seq = x.shape[:2]
     keys = [part.keys for part in run]
+    mask = attn_mask.expand(x.shape[0], 1, x.shape[1], keys[0].shape[2])[:, 0]
+    return decoder_blocks([n for part in run for n in part.norms], [w for part in run for w in part.weights],
+                          run[0].shape, keys, [part.values for part in run], x, rotary, cache_position, mask)
+
+
+def decoder_blocks(norms: list[torch.Tensor], weights: list, shape: tuple, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], x: torch.Tensor, rotary, cache_position: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """Blocks of one ``shape`` (eps, n_heads, head_dim, out_features) in one
+    :func:`llm.kernels.cpu_quant.decoder_blocks` call: ``norms`` and ``weights`` are the blocks'
+    (:meth:`MosaicGPTBlock.fused_weights_for`) one after another, ``keys``/``values`` their cache
+    storages; ``mask``: bool (batch, seq, capacity). (batch, seq, d_model) -> the same."""
     cos = sin = None
     if rotary is not None:
         cos, sin = rotary.cos[:, 0], rotary.sin[:, 0]
-    mask = attn_mask.expand(batch, 1, seq, keys[0].shape[2])[:, 0]
-    eps, n_heads, head_dim, out_features = run[0].shape
-    return cpu_quant.decoder_blocks(x, [n for part in run for n in part.norms], eps,
-                                    [w for part in run for w in part.weights], list(out_features), cos, sin, keys,
-                                    [part.values for part in run], cache_position, mask, n_heads,
-                                    1.0 / math.sqrt(head_dim))
+    eps, n_heads, head_dim, out_features = shape
+    return cpu_quant.decoder_blocks(x, norms, eps, weights, list(out_features), cos, sin, keys, values,
+                                    cache_position, mask, n_heads, 1.0 / math.sqrt(head_dim))

@@ -69,20 +69,44 @@ class RotaryEmbedding(nn.Module):
     ``LlamaRotaryEmbedding`` / GPT-NeoX.
     """
 
+    #: Positions of the first table of angles kept on the CPU; it doubles as positions need.
+    _TABLE = 1024
+
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        # (cos, signed sin) of positions [0, n), float32: a plain attribute, not a buffer, which
+        # would be cast with the model to bf16/fp16
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids: (batch or 1, seq) int -> a callable rotating (batch, heads, seq, head_dim) tensors."""
-        # Frequencies in fp32 on every call: a buffer would be cast with the model to bf16/fp16.
+    def angles(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) float32 (*position_ids.shape, head_dim) of int ``position_ids``: the cosines,
+        and the sines with the first half negated (:class:`Rotation`'s layout)."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device)
         inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
-        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
-        cos = torch.cat([freqs, freqs], dim=-1)[:, None].cos().to(dtype)
-        sin = freqs[:, None].sin().to(dtype)
-        return Rotation(cos, torch.cat([-sin, sin], dim=-1))
+        freqs = position_ids[..., None].float() * inv_freq
+        sin = freqs.sin()
+        return torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids: (batch or 1, seq) int -> a callable rotating (batch, heads, seq, head_dim) tensors.
+
+        On the CPU (eager) the angles are rows of a table made once by :meth:`angles` (a decoding
+        step then indexes it instead of running ten ops); elsewhere they are computed, by the same
+        elementwise ops, so the two give the same bits.
+        """
+        lowest, highest = (0, 0)
+        if position_ids.device.type == "cpu" and not torch.compiler.is_compiling() and position_ids.numel():
+            lowest, highest = (int(v) for v in torch.aminmax(position_ids))
+        if position_ids.device.type != "cpu" or torch.compiler.is_compiling() or lowest < 0:
+            cos, sin = self.angles(position_ids)
+        else:
+            if self._table is None or self._table[0].shape[0] <= highest:
+                size = max(self._TABLE, 2 * (self._table[0].shape[0] if self._table is not None else 0), highest + 1)
+                self._table = self.angles(torch.arange(size))
+            cos, sin = self._table[0][position_ids], self._table[1][position_ids]
+        return Rotation(cos[:, None].to(dtype), sin[:, None].to(dtype))
 
 
 class Rotation:

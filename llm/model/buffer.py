@@ -10,19 +10,56 @@ same computation with shapes that do not depend on the position, for compiled de
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from llm.cache import Cache
 from llm.kernels import cpu_quant
-from llm.layers.blocks import MosaicGPTBlock, forward_blocks
+from llm.layers.blocks import MosaicGPTBlock, decoder_blocks, forward_blocks
 from llm.layers.linear import linear
 from llm.layers.positions import alibi_slopes
 
 
-def fused_weights(model, x: torch.Tensor) -> list | None:
-    """Every block's fused kernel weights for a step of ``x``, or None unless all blocks take it."""
-    plans = [b.fused_weights_for(x) if isinstance(b, MosaicGPTBlock) else None for b in model.blocks]
-    return plans if all(p is not None for p in plans) else None
+class FusedRun(NamedTuple):
+    """Every block's fused kernel weights (:meth:`MosaicGPTBlock.fused_weights_for`), and, when
+    the blocks share one shape, the arguments of one :func:`~llm.kernels.cpu_quant.decoder_blocks`
+    call over all of them."""
+
+    plans: list  # per block: (weights, norms, shape)
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor | None]
+    shape: tuple | None  # (eps, n_heads, head_dim, out_features) shared by all blocks, else None
+
+
+def fused_weights(model, x: torch.Tensor) -> FusedRun | None:
+    """The blocks' fused kernel weights for a step of ``x``, or None unless all blocks take it.
+
+    Kept on the model between eager calls (looking up thirty blocks' weights every decoding step
+    was a tenth of a millisecond) until :func:`llm.kernels.cpu_quant.changed` says a block changed
+    (which ``train()``, ``eval()`` and setting ``fused_decode`` do) or the blocks are others."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if torch.compiler.is_compiling():  # looked up once, when traced; nothing kept
+        run = _find_run(model)
+    else:
+        key = (cpu_quant.changes(), tuple(map(id, model.blocks)))
+        kept = model.__dict__.get("_fused_run")
+        if kept is None or kept[0] != key:
+            kept = model.__dict__["_fused_run"] = (key, _find_run(model))  # not through __setattr__: not a module
+        run = kept[1]
+    if run is None or (torch.is_grad_enabled() and (x.requires_grad or any(n.requires_grad for n in run.norms))):
+        return None  # the kernel records no gradient: where one is wanted, the layers run
+    return run
+
+
+def _find_run(model) -> FusedRun | None:
+    plans = [b._fused_weights() if isinstance(b, MosaicGPTBlock) and b.fused_decode and not b.training else None
+             for b in model.blocks]
+    if not all(p is not None for p in plans):
+        return None
+    return FusedRun(plans, [n for p in plans for n in p[1]], [w for p in plans for w in p[0]],
+                    plans[0][2] if all(p[2] == plans[0][2] for p in plans) else None)
 
 
 def output_logits(model, x: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -36,7 +73,7 @@ def output_logits(model, x: torch.Tensor, fused: bool) -> torch.Tensor:
 
 
 def blocks_over_buffer(model, x: torch.Tensor, cache: Cache, attention_mask: torch.Tensor | None, past: int,
-                       rotary, fused: list) -> torch.Tensor:
+                       rotary, fused: FusedRun) -> torch.Tensor:
     """The blocks on ``x`` (batch, seq, d_model) as :func:`forward_static` runs them: the new keys
     written into ``cache``'s storage (grown as needed) at ``past`` onwards, every query over the
     whole buffer through a mask; ``attention_mask``: bool (batch, past + seq) or None. Moves the
@@ -44,13 +81,21 @@ def blocks_over_buffer(model, x: torch.Tensor, cache: Cache, attention_mask: tor
     batch, seq = x.shape[:2]
     total = past + seq
     cache.reserve(model.config, batch, total, x.dtype, x.device)
-    capacity = cache.storage(0)[0].shape[2]
-    key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=x.device)
-    key_mask[:, :total] = True if attention_mask is None else attention_mask
+    keys, values = cache.storages()
+    capacity = keys[0].shape[2]
     cache_position = torch.arange(past, total, device=x.device)
-    causal = torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None]
-    x = forward_blocks(model.blocks, x, past_key_values=cache, attn_mask=(causal[None] & key_mask[:, None])[:, None],
-                       rotary=rotary, cache_position=cache_position, fused=fused)
+    # key j is seen from buffer position p iff j <= p (so j < total) and j is real
+    mask = (torch.arange(capacity, device=x.device)[None, :] <= cache_position[:, None])[None]
+    if attention_mask is not None:
+        key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=x.device)
+        key_mask[:, :total] = attention_mask
+        mask = mask & key_mask[:, None]
+    mask = mask.expand(batch, seq, capacity)
+    if fused.shape is not None and all(t.dtype == torch.float32 and t.is_contiguous() for t in keys + values):
+        x = decoder_blocks(fused.norms, fused.weights, fused.shape, keys, values, x, rotary, cache_position, mask)
+    else:
+        x = forward_blocks(model.blocks, x, past_key_values=cache, attn_mask=mask[:, None], rotary=rotary,
+                           cache_position=cache_position, fused=fused.plans)
     cache.set_seq_length(total)
     return x
 

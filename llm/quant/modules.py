@@ -261,6 +261,8 @@ class Int8Embedding(_Int8Codes):
                           in_features=self.embedding_dim, backend=self.backend)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed and self.scales.dtype == torch.float32:
+            return cpu_quant.int8_embedding(self.weight, self.scales, input_ids)
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
         return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
