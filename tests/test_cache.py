@@ -249,3 +249,20 @@ def test_a_cache_that_does_not_fit_is_refused_before_any_compute():
     with pytest.raises(ValueError, match="made for batch size 1, the input has batch size 2"):
         model(torch.randint(0, 61, (2, 1)), past_key_values=StaticCache(None, 1, 8))
     assert cache.get_seq_length() == 4  # nothing was written
+
+
+def test_generate_sizes_a_new_cache_for_the_call_and_expect_keeps_what_is_cached():
+    model = tiny_model()
+    out = model.generate(torch.randint(0, 61, (1, 5)), max_new_tokens=80, do_sample=False, eos_token_id=None,
+                         return_dict_in_generate=True)
+    # prompt + new - 1 positions, allocated once: no grow while decoding
+    assert {k.shape[2] for k in out.past_key_values._keys} == {84}
+    cache = DynamicCache()
+    ids = torch.randint(0, 61, (2, 9))
+    model(ids, past_key_values=cache)
+    before = [k[:, :, :9].clone() for k in cache._keys]
+    assert cache.expect(300) is cache and {k.shape[2] for k in cache._keys} == {300}
+    assert all(torch.equal(k[:, :, :9], b) for k, b in zip(cache._keys, before)) and cache.get_seq_length() == 9
+    nxt = torch.randint(0, 61, (2, 1))
+    fresh = model(torch.cat([ids, nxt], 1)).logits[:, -1]
+    assert torch.allclose(model(nxt, past_key_values=cache).logits[:, -1], fresh, atol=1e-5)

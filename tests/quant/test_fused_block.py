@@ -273,3 +273,41 @@ def test_on_a_busy_machine_the_blocks_run_on_one_thread_for_a_stretch():
     finally:
         torch.ops.llm.set_pace(0, 16)
         torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def test_what_the_model_keeps_for_one_call_follows_blocks_swapped_and_modes(monkeypatch):
+    """The model keeps its blocks' fused weights between steps; a block replaced in the list,
+    train()/eval() and ``fused_decode`` are seen at the next forward."""
+    model = tiny_model("llama", d_model=64, n_layers=3, quantization="int4", kernels="llm")
+    ids = torch.randint(0, 61, (2, 7))
+    calls = []
+    kernel = cpu_quant.decoder_blocks
+    monkeypatch.setattr(cpu_quant, "decoder_blocks", lambda *a: calls.append(len(a[7])) or kernel(*a))
+    fused = model(ids).logits
+    assert calls == [3]
+    mine = model.blocks[1]
+    torch_kernels = tiny_model("llama", d_model=64, n_layers=3, quantization="int4", kernels="torch", seed=2)
+    model.blocks[1] = torch_kernels.blocks[1]  # ModuleList's setitem: no block's setattr
+    calls.clear()
+    assert not torch.equal(model(ids).logits, fused) and calls == []  # not all blocks fuse: the layers run
+    model.blocks[1] = mine
+    assert torch.equal(model(ids).logits, fused) and calls == [3]
+    for change in (lambda: setattr(model.blocks[2], "fused_decode", False), model.train):
+        change()
+        calls.clear()
+        model(ids)
+        assert calls == []
+        model.eval()
+        model.blocks[2].fused_decode = True
+
+
+def test_the_int8_embedding_op_gives_the_rows_times_their_scales():
+    from llm.quant.modules import Int8Embedding
+
+    table = Int8Embedding.from_float(torch.randn(50, 64) * 3, backend="llm")
+    assert table.packed
+    ids = torch.randint(0, 50, (3, 5))
+    assert torch.equal(table(ids), table.codes()[ids].float() * table.scales[ids].unsqueeze(-1))
+    with pytest.raises(RuntimeError, match="id 50 is outside the table's 50 rows"):
+        table(torch.tensor([50]))
