@@ -1,4 +1,4 @@
-"""``scripts/generate.py``: sample from a saved or registered model on the command line.
+"""Sample from a saved or registered model on the command line.
 
 Completions go to stdout; prefill and decode speeds and the draft acceptance rate go to stderr.
 A bad flag value or input exits with status 2 and a one-line message (``generate.py: error:

@@ -7,6 +7,7 @@ import os
 
 from llm.utils.gguf import field as _field
 from llm.utils.gguf import read_gguf
+from llm.utils.memory import release_freed_memory
 
 # Names of tokenizer.ggml.pre (llama.cpp's pre-tokenizer types) that we reproduce with the
 # `tokenizers` library, grouped by llama.cpp's regexes (llama-vocab.cpp).
@@ -78,6 +79,8 @@ def gguf_tokenizer(path: str | os.PathLike):
     template = _field(reader, "tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template
+    del reader, tokens, types  # the metadata parsed (tens of MB for a large vocabulary): give it back
+    release_freed_memory()
     return tokenizer
 
 

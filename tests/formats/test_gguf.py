@@ -6,6 +6,8 @@ which dequantizes and un-permutes the query/key rows independently of ours: a wr
 rotate the wrong pairs of coordinates and the logits would not match.
 """
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -406,3 +408,31 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
         assert (mine.data, mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
         assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
     assert ours.fields["tok.strings"].contents() == extra["tok.strings"]
+
+
+def _resident_kb(path) -> int:
+    """Resident KB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@needs_file
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+def test_converted_tensors_give_their_file_pages_back():
+    from llm.utils.gguf import read_gguf
+
+    reader = read_gguf(GGUF)
+    config = gguf_module.gguf_config(reader)
+    parts = gguf_module._sources(reader, config)["blocks.0.ffn.gate_proj.weight"]
+    before = _resident_kb(GGUF)
+    gguf_module._native_int4(parts, reader.path)
+    read = _resident_kb(GGUF) - before
+    assert read >= int(parts[0][0].n_bytes) // 1024 - 8  # the tensor's pages were read in
+    gguf_module._release(reader, parts)
+    # what stays: neighbours' pages that the kernel's fault-around mapped with them (64 KB a side)
+    assert _resident_kb(GGUF) - before <= 128 < read

@@ -15,6 +15,7 @@ rope kernel expects). MosaicGPT, like transformers' Llama, rotates the two HALVE
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -27,6 +28,7 @@ from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import QuantizationReport, int8_rows
 from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
 from llm.utils.gguf import _MISSING, read_gguf
+from llm.utils.memory import release_freed_memory
 from llm.utils.gguf import field as _field
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -298,6 +300,25 @@ def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return tuple(torch.cat(column) for column in zip(*pieces))
 
 
+def _release(reader, parts) -> None:
+    """Give back the memory-mapped file pages of ``parts``' tensors once converted: a read page of a
+    mapping stays in the process's memory while the mapping lives, so a load would otherwise hold
+    the whole file beside the model it made (read again from the page cache if touched)."""
+    mapping = reader.data
+    while mapping is not None and not isinstance(mapping, mmap.mmap):
+        mapping = getattr(mapping, "base", None)
+    if mapping is None or not hasattr(mapping, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    for tensor, _ in parts:
+        start = int(tensor.data_offset) // page * page
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # not a mapping the OS lets go of: it stays until the reader goes
+            return
+
+
 def load_gguf(
     path: str | os.PathLike,
     *,
@@ -352,6 +373,9 @@ def load_gguf(
     owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
     model.load_state_dict({name: _float(parts, reader.path).to(device=device, dtype=dtype or torch.float32)
                            for name, parts in sources.items() if name not in owned}, strict=False, assign=True)
+    for name, parts in sources.items():
+        if name not in owned:
+            _release(reader, parts)
     head = HEAD if model.lm_head is not None else EMBEDDING
     if quantization in ("int8", "int4"):
         quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
@@ -378,7 +402,10 @@ def load_gguf(
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
+        _release(reader, parts)
     quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act, backend)
+    _release(reader, sources[head + ".weight"])
     report.quantized.append(head)
     model.quantization = report
+    release_freed_memory()
     return model.eval()
