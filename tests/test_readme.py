@@ -107,7 +107,7 @@ def substitute(command: str) -> str | None:
         code += " " + TRAIN_OVERRIDES
     elif "scripts/eval.py" in code or re.search(r"\bllm eval\b", code):
         code += " " + EVAL_OVERRIDES
-    elif "scripts/generate.py" in code and "smollm2-135m-instruct" in code:
+    elif ("scripts/generate.py" in code or re.search(r"\bllm generate\b", code)) and "smollm2-135m-instruct" in code:
         code = code.replace(" --compile", "") + " --max-new-tokens 8"
     return code + comment
 
