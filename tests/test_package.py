@@ -28,7 +28,7 @@ def _run(code: str, tmp_path=None):
 def test_the_core_imports_no_training_or_serving_library():
     done = _run("import sys, llm; from llm.model import MosaicGPT; from llm.cli import generate, chat; "
                 "print([m for m in ('composer', 'streaming', 'starlette', 'uvicorn', 'pydantic', 'pyarrow', "
-                "'matplotlib') if m in sys.modules])")
+                "'matplotlib', 'transformers') if m in sys.modules])")
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-2000:]
 
 

@@ -21,16 +21,18 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from llm.data.gguf_tokenizer import gguf_tokenizer
 from llm.data.sources import DataError
 from llm.io import atomic_write
 from llm.utils.pretrained import PRETRAINED, resolve
+
+if TYPE_CHECKING:  # transformers loads when a tokenizer is made: a second of `import llm` otherwise
+    from transformers import PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<unk>"
@@ -54,6 +56,8 @@ class TokenizerNotFoundError(DataError, FileNotFoundError):
 
 
 def _wrap(tokenizer: Tokenizer, **special_tokens: str) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     # One token serves as eos, bos and pad, as in GPT-2; no cleanup so decode inverts encode;
     # no token_type_ids, which a decoder-only model does not take; padding on the left, where a
     # batch of prompts for generation needs it (transformers' default is the right).
@@ -150,6 +154,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | os.PathL
 
 
 def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     backend = Tokenizer.from_file(str(path))
     vocab = backend.get_vocab(with_added_tokens=True)
     eos = next((token for token in EOS_CANDIDATES if token in vocab), None)
@@ -161,6 +167,8 @@ def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
 
 
 def _from_folder(path: Path) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise TokenizerNotFoundError(f"cannot load tokenizer {str(path)!r}: the folder holds no tokenizer "
                                      f"(tokenizer.json or tokenizer_config.json); a tokenizer is {SPEC_FORMS}")
