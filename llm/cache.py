@@ -395,18 +395,15 @@ class DynamicCache(Cache):
 
     Storage doubles when full, so decoding a token writes in place (amortised O(1) copies per
     token, against O(length) for transformers' ``torch.cat``-based DynamicCache).
-
-    Args:
-        capacity: positions to allocate at a layer's first write (at least the keys written
-            then, at least 64): a caller that knows how far it will decode (``generate``: prompt
-            + ``max_new_tokens``) passes it, so no step pays for a grow.
+    A caller that knows how far it will decode (``generate``: prompt + ``max_new_tokens``) makes
+    room once with :meth:`expect`, so no step pays for a grow.
     """
 
     _MIN_CAPACITY = 64
 
-    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._capacity = max(int(capacity), self._MIN_CAPACITY)
+        self._capacity = self._MIN_CAPACITY  # positions a layer's first write allocates, at least
 
     def expect(self, length: int) -> "DynamicCache":
         """Make room for ``length`` positions now: allocated layers grow once to it, layers

@@ -85,12 +85,16 @@ class MosaicGPTBlock(cpu_quant.Watched, nn.Module):
     def fused_weights_for(self, x: torch.Tensor) -> tuple[list, list, tuple] | None:
         """The fused kernel's weights (see :meth:`_fused_weights`) if a step of ``x`` over a cache buffer (a
         mask and ``cache_position``, no ALiBi bias or padding masks) would take it, else None."""
-        if not (self.fused_decode and not self.training and x.dtype == torch.float32 and x.device.type == "cpu"
+        if not (x.dtype == torch.float32 and x.device.type == "cpu"
                 # the kernel records no gradient: where one is wanted, the layers run
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.norm_1.weight.requires_grad
                                                       or self.norm_2.weight.requires_grad))):
             return None
-        return self._fused_weights()
+        return self.enabled_fused_weights()
+
+    def enabled_fused_weights(self) -> tuple[list, list, tuple] | None:
+        """:meth:`_fused_weights` unless ``fused_decode`` is off or the block is training, whatever the step."""
+        return self._fused_weights() if self.fused_decode and not self.training else None
 
     def _fused_parts(self, x, past_key_values=None, attn_bias=None, attn_mask=None, rotary=None, cache_position=None,
                      key_padding_mask=None, query_padding_mask=None, fused=...) -> _Fused | None:

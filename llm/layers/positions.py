@@ -96,10 +96,10 @@ class RotaryEmbedding(nn.Module):
         step then indexes it instead of running ten ops); elsewhere they are computed, by the same
         elementwise ops, so the two give the same bits.
         """
-        lowest, highest = (0, 0)
+        lowest = highest = -1  # negative positions (and the cases without a table) are computed
         if position_ids.device.type == "cpu" and not torch.compiler.is_compiling() and position_ids.numel():
             lowest, highest = (int(v) for v in torch.aminmax(position_ids))
-        if position_ids.device.type != "cpu" or torch.compiler.is_compiling() or lowest < 0:
+        if lowest < 0:
             cos, sin = self.angles(position_ids)
         else:
             if self._table is None or self._table[0].shape[0] <= highest:

@@ -54,8 +54,7 @@ def fused_weights(model, x: torch.Tensor) -> FusedRun | None:
 
 
 def _find_run(model) -> FusedRun | None:
-    plans = [b._fused_weights() if isinstance(b, MosaicGPTBlock) and b.fused_decode and not b.training else None
-             for b in model.blocks]
+    plans = [b.enabled_fused_weights() if isinstance(b, MosaicGPTBlock) else None for b in model.blocks]
     if not all(p is not None for p in plans):
         return None
     return FusedRun(plans, [n for p in plans for n in p[1]], [w for p in plans for w in p[0]],
