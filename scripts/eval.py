@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from llm.cli.eval import main
+from llm.cli.main import run
 
 if __name__ == "__main__":
     # Small CPU models run faster on one thread than on two contended ones; GPU runs are unaffected.
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run("eval", prog="eval.py"))

@@ -5,7 +5,7 @@ A thin wrapper over `llm.cli.export`; `--help` lists every flag.
 
 import sys
 
-from llm.cli.export import main
+from llm.cli.main import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("export", prog="export.py"))

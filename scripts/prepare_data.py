@@ -5,7 +5,7 @@ A thin wrapper over :mod:`llm.cli.prepare`; ``--help`` lists every option.
 
 import sys
 
-from llm.cli.prepare import main
+from llm.cli.main import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("prepare", prog="prepare_data.py"))

@@ -5,7 +5,7 @@ A thin wrapper over `llm.cli.serve`; `--help` lists every flag.
 
 import sys
 
-from llm.cli.serve import main
+from llm.cli.main import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("serve", prog="serve.py"))

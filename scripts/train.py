@@ -6,7 +6,7 @@ is checked whole before anything runs, and all the work is in :func:`llm.cli.tra
 
 import sys
 
-from llm.cli.train import main
+from llm.cli.main import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run("train", prog="train.py"))

@@ -1,5 +1,6 @@
 """``llm chat --model NAME``: talk to a chat model turn by turn on the terminal (one line per turn;
-an empty line or end of input ends the chat).
+an empty line, end of input or Ctrl-C at the prompt ends the chat; Ctrl-C during an answer stops
+that answer).
 
 The answer streams as it is decoded. The conversation's KV cache is kept between turns: each turn
 re-renders the whole conversation with the tokenizer's chat template and prefills only what
@@ -13,7 +14,7 @@ import argparse
 import sys
 import warnings
 
-from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 
 EXAMPLE = """example:
   llm chat --model smollm2-135m-instruct --system "You answer in one sentence."
@@ -21,7 +22,7 @@ EXAMPLE = """example:
 
 
 def build_parser(prog: str = "llm chat") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""), epilog=EXAMPLE,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a saved model folder, a .gguf file or a registered name")
     p.add_argument("--system", help="a system prompt")
@@ -78,7 +79,11 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     while True:
         if interactive:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat
+            print(flush=True)
+            return 130
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line.strip()})
@@ -86,17 +91,20 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
         keep = min(_common_prefix(cached_ids, ids), len(ids) - 1)  # at least one new token to prefill
         cache.crop(keep)
         answer, printed = [], ""
-        for token in stream(model, torch.tensor([ids], device=model.device), past_key_values=cache,
-                            generation_config=options, tokenizer=tokenizer, compile=args.compile):
-            answer.extend(token.view(-1).tolist())
-            text = tokenizer.decode(answer, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next token
-                print(text[len(printed):], end="", flush=True)
-                printed = text
+        try:
+            for token in stream(model, torch.tensor([ids], device=model.device), past_key_values=cache,
+                                generation_config=options, tokenizer=tokenizer, compile=args.compile):
+                answer.extend(token.view(-1).tolist())
+                text = tokenizer.decode(answer, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next token
+                    print(text[len(printed):], end="", flush=True)
+                    printed = text
+            cached_ids = ids + answer[:-1]  # the last token was sampled, never fed back
+        except KeyboardInterrupt:  # Ctrl-C while answering stops the answer, keeps what it said
+            # the cache may hold a step half written: the next turn starts it afresh
+            cache, cached_ids = DynamicCache(), []
         print(flush=True)
         messages.append({"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)})
-        cached_ids = ids + answer[:-1]  # the last token was sampled, never fed back
-
 
 if __name__ == "__main__":
     sys.exit(main())

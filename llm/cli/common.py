@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from typing import Any
 
 #: ``--dtype`` choices: names of torch dtypes (``getattr(torch, name)``).
@@ -20,6 +21,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).splitlines())}\n")
+
+
+def describe(doc: str) -> str:
+    """A command's ``--help`` description: the first paragraph of its module docstring as one
+    paragraph wrapped at 88 columns, without reStructuredText's double backquotes."""
+    return textwrap.fill(" ".join(doc.strip().split("\n\n")[0].split()).replace("``", ""), width=88)
 
 
 def integer(minimum: int = 1, maximum: int | None = None):
@@ -52,7 +59,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, compile_help: str) -> Non
     """The flags of every command that loads a model to run it: --device, --dtype, --quantize,
     --backend, --threads, --compile."""
     p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32",
+                   help="dtype of the weights that are not quantized and of activations (default float32)")
     p.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], help=QUANTIZE_HELP)
     p.add_argument("--backend", choices=["auto", "llm", "torch"], default="auto", help=BACKEND_HELP)
     p.add_argument("--threads", type=integer(), help=THREADS_HELP)

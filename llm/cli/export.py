@@ -1,4 +1,4 @@
-"""Export a model to transformers or to GGUF (llama.cpp): `python scripts/export.py --model M --to gguf --out F`.
+"""Export a model to transformers or to GGUF (llama.cpp): ``llm export --model M --to gguf --out F``.
 
 M: a saved model folder, a registered name, a .gguf file, or a training checkpoint (with --config,
 the run's YAML).
@@ -10,12 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from llm.cli.common import ArgumentParser
+from llm.cli.common import ArgumentParser, describe
 from llm.formats.gguf.writer import GGUF_TYPES
 
 
 def build_parser(prog: str = "export.py") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  llm export --model runs/shakespeare/model --to gguf --gguf-type q8_0 "
                               "--out shakespeare.gguf\n  llm export --model runs/shakespeare/model --to transformers "
                               "--out shakespeare-hf")

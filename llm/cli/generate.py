@@ -1,7 +1,7 @@
 """Sample from a saved or registered model on the command line.
 
 Completions go to stdout; prefill and decode speeds and the draft acceptance rate go to stderr.
-A bad flag value or input exits with status 2 and a one-line message (``generate.py: error:
+A bad flag value or input exits with status 2 and a one-line message (``llm generate: error:
 ...``), not a usage block or a traceback. Decoding options are checked by ``GenerationConfig``.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 from llm.generation.config import load_generation_config
 from llm.data.tokenizer import load_tokenizer
 from llm.generation.config import GenerationConfig
@@ -47,7 +47,7 @@ def _option(name: str, parse=int):
 
 
 def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  llm generate --model smollm2-135m-instruct --chat --stream "
                               "--prompt \"What is the capital of Germany?\"\n  llm generate --model runs/shakespeare/model "
                               "--prompt \"ROMEO:\" --max-new-tokens 200")
@@ -59,23 +59,27 @@ def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", type=Path,
                    help="file holding the --system prefix's KV cache (made if absent; remade, saying so, if it "
                         "is unreadable or from another model, tokenizer or dtype)")
-    p.add_argument("--batch-size", type=integer(), default=8)
-    p.add_argument("--max-new-tokens", type=_option("max_new_tokens"), default=100)
+    p.add_argument("--batch-size", type=integer(), default=8, help="prompts decoded together (default 8)")
+    p.add_argument("--max-new-tokens", type=_option("max_new_tokens"), default=100,
+                   help="the longest completion, in tokens (default 100)")
     p.add_argument("--temperature", type=_option("temperature", float),
                    help=f"0 for greedy decoding (default: the model's generation config, i.e. its "
                         f"generation_config.json or a registered model's recommended settings, else "
                         f"sampling at {DEFAULT_TEMPERATURE})")
-    p.add_argument("--top-k", type=_option("top_k"))
+    p.add_argument("--top-k", type=_option("top_k"), help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=_option("top_p", float), help="(default: the model's generation config, else none)")
-    p.add_argument("--min-p", type=_option("min_p", float))
-    p.add_argument("--repetition-penalty", type=_option("repetition_penalty", float))
-    p.add_argument("--seed", type=_option("seed"))
+    p.add_argument("--min-p", type=_option("min_p", float),
+                   help="drop tokens less likely than this fraction of the most likely one's probability")
+    p.add_argument("--repetition-penalty", type=_option("repetition_penalty", float),
+                   help="CTRL's penalty on tokens already seen (1 is none; above 1 discourages repeats)")
+    p.add_argument("--seed", type=_option("seed"), help="seed of the sampler (the same seed gives the same text)")
     p.add_argument("--stop", action="append", help="stop a completion at this string (repeatable)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--speculative", choices=["none", "lookup", "draft"], default="none",
                    help="lookup: copy drafts from the prompt (LLMA); draft: a smaller --draft-model")
     p.add_argument("--draft-model", help="the draft model for --speculative draft")
-    p.add_argument("--num-speculative-tokens", type=_option("num_assistant_tokens"), default=5)
+    p.add_argument("--num-speculative-tokens", type=_option("num_assistant_tokens"), default=5,
+                   help="tokens drafted per step (default 5)")
     p.add_argument("--speculative-schedule", choices=["heuristic", "constant"], default="heuristic",
                    help="heuristic: adapt the draft length and draft only while it pays; constant: always "
                         "--num-speculative-tokens (num_assistant_tokens_schedule)")

@@ -49,15 +49,27 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"llm: error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    return run(command, argv[1:], prog=f"llm {command}")
+
+
+def run(command: str, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run one command's command line (``argv``, default ``sys.argv[1:]``) as ``prog``; returns its
+    exit status: 2 for a feature whose extra is not installed, 130 (the shell's code for SIGINT)
+    when the user interrupts with Ctrl-C, which ends the command without a traceback (what a
+    streaming command printed stays printed)."""
     from llm.utils.extras import MissingExtra
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or f"llm {command}"
     try:
         module = importlib.import_module(COMMANDS[command][0])
-        return module.main(argv[1:], prog=f"llm {command}")
+        return module.main(argv, prog=prog)
     except MissingExtra as err:
-        print(f"llm {command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
-
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130
 
 if __name__ == "__main__":
     sys.exit(main())

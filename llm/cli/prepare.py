@@ -1,7 +1,7 @@
-"""Prepare any corpus as token shards (MosaicML Streaming MDS) for training and evaluation.
+"""Prepare any corpus as token shards (MosaicML Streaming MDS) for training and evaluation:
+``llm prepare INPUT [INPUT ...] --out DIR --tokenizer SPEC [options]``.
 
-``scripts/prepare_data.py INPUT [INPUT ...] --out DIR --tokenizer SPEC [options]``: all the work
-is in :func:`llm.data.prepare.prepare`. Every bad input is one line on stderr and exit status 2.
+All the work is in :func:`llm.data.prepare.prepare`. Every bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from llm.cli.common import ArgumentParser, integer
+from llm.cli.common import ArgumentParser, describe, integer
 from llm.data.prepare import (
     DEFAULT_SEQ_LEN,
     DEFAULT_SHARD_SIZE,
@@ -37,7 +37,7 @@ def _fraction(text: str) -> float:
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  llm prepare my_texts/ --tokenizer bpe:4096 --seq-len 1024 --out data/mine")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="files, folders (searched recursively) or glob patterns: .txt/.md text, .jsonl/.json "

@@ -1,4 +1,4 @@
-"""Serve a model over an OpenAI-compatible HTTP API: `python scripts/serve.py --model M`.
+"""Serve a model over an OpenAI-compatible HTTP API: ``llm serve --model M``.
 
 Continuous batching (requests join and leave the running batch at every step), prefix caching,
 streaming; GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
@@ -14,11 +14,11 @@ import sys
 import threading
 from pathlib import Path
 
-from llm.cli.common import ArgumentParser, add_model_arguments, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 
 
 def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=prog, description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = ArgumentParser(prog=prog, description=describe(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  llm serve --model smollm2-135m-instruct --port 8000 --max-batch-size 16\n"
                               "  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' "
                               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")
@@ -36,8 +36,32 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
                         "(least recently used evicted; 0: off; default 4096)")
     add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
+    p.add_argument("--shutdown-timeout", type=integer(0), default=10,
+                   help="seconds that running requests may go on after Ctrl-C (or SIGTERM) before they end "
+                        "with a 503 'shutting down' (a second Ctrl-C ends them at once; default 10)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return p
+
+
+def graceful_server(config, shutdown, timeout: float):
+    """A ``uvicorn.Server`` that stops as a server should: the first Ctrl-C (or SIGTERM) stops
+    listening and lets running requests finish for ``timeout`` seconds, then calls ``shutdown()``
+    (which ends them cleanly); a second Ctrl-C calls it at once. Never uvicorn's forced exit, which
+    cancels the response tasks mid-write (CancelledError tracebacks) and leaves the engine's
+    thread inside torch as the interpreter tears down ("terminate called")."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                shutdown()
+                return
+            super().handle_exit(sig, frame)  # stop listening; uvicorn re-raises the signal when done
+            timer = threading.Timer(timeout, shutdown)
+            timer.daemon = True
+            timer.start()
+
+    return Server(config)
 
 
 def loader(args):
@@ -99,7 +123,8 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
         server.should_exit = True
 
     app = create_app(loader(args), on_failure=failed)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+                             app.state.shutdown, args.shutdown_timeout)
     host, port = listening.getsockname()[:2]
     logging.getLogger("llm.serve").info("listening on http://%s:%d (Ctrl+C to stop)",
                                         f"[{host}]" if ":" in host else host, port)

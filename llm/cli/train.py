@@ -20,7 +20,7 @@ Train MosaicGPT through Composer from an llm-foundry-style YAML config (see conf
 Overrides use omegaconf's dotlist syntax.
 
 example:
-  {command} configs/shakespeare.yaml max_duration=20ba model.n_layers=2 optimizer.lr=1e-3
+  {command} configs/shakespeare.yaml max_duration=20ba scheduler.t_warmup=2ba model.n_layers=2 save_folder=runs/try
 
 The whole config is checked before training starts: every unknown key, wrong type or bad value
 is reported with its full dotted path (e.g. train_loader.dataset.split)."""
@@ -62,13 +62,15 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     except (CliError, ConfigError) as error:
         return _error(prog, str(error))
 
+    from llm.data.prepare import DataError
+    from llm.data.streaming import PreparedDataError
     from llm.train import train
     from llm.train.run_folder import RunFolderError
 
     try:
         train(config.to_dict())
     # ConfigError: a check that needs the data or tokenizer (e.g. model.vocab_size).
-    except (ConfigError, RunFolderError) as error:
+    except (ConfigError, RunFolderError, PreparedDataError, DataError) as error:
         return _error(prog, str(error))
     return 0
 

@@ -98,8 +98,11 @@ def load_manifest(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     if not path.is_file():
-        raise DataError(f"no {MANIFEST_FILE} in {directory}: not a prepared dataset (run "
-                        "scripts/prepare_data.py) or a preparation that did not finish")
+        where = "" if directory.is_absolute() else f" (relative to the current folder {Path.cwd()})"
+        if not directory.is_dir():
+            raise DataError(f"no folder {directory}{where}: prepare one with `llm prepare`")
+        raise DataError(f"no {MANIFEST_FILE} in {directory}{where}: not a prepared dataset (run `llm prepare`) "
+                        "or a preparation that did not finish")
     manifest = _read_json(path)
     if manifest is None or manifest.get("format") != FORMAT:
         raise DataError(f"{path} is not a manifest of format {FORMAT!r}")

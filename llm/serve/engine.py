@@ -49,6 +49,10 @@ class QueueFull(RuntimeError):
     """The engine's queue of waiting requests is full: try again later (HTTP 429)."""
 
 
+class ShuttingDown(RuntimeError):
+    """The engine takes no new requests: :meth:`Engine.shutdown` was called."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One submitted prompt and what the engine has made of it.
@@ -57,7 +61,7 @@ class Sequence:
         prompt: the prompt's token ids; options: its decoding options.
         tokens: the new token ids so far.
         finish_reason: None while running; "stop" (eos or a stop string), "length"
-            (``max_new_tokens``), "cancelled" or "error" (then ``error`` says what went wrong).
+            (``max_new_tokens``), "cancelled", "shutdown" or "error" (then ``error`` says what went wrong).
         cached_tokens: prompt positions taken from the prefix cache instead of computed.
     """
 
@@ -69,7 +73,7 @@ class Sequence:
     error: str | None = None
     cached_tokens: int = 0
     id: int = field(default_factory=lambda: next(_ids))
-    cancelled: bool = False
+    cancelled: str | None = None
     # the engine's state of the running row
     sampler: Sampler | None = None
     seen: torch.Tensor | None = None
@@ -78,9 +82,10 @@ class Sequence:
     decoding: object = None
     decoding_steps: object = None
 
-    def cancel(self) -> None:
-        """Stop decoding this sequence (a client gone): its row is freed at the next step."""
-        self.cancelled = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop decoding this sequence (a client gone; ``reason="shutdown"``: the server stops):
+        its row is freed at the next step and it finishes with ``reason``."""
+        self.cancelled = self.cancelled or reason
 
 
 class Engine:
@@ -113,7 +118,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._work = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closed = self._refusing = False
         self.steps = 0
 
     # -- submission (any thread) ------------------------------------------------------------
@@ -130,6 +135,7 @@ class Engine:
 
         Raises:
             QueueFull: if the waiting queue cannot take them all.
+            ShuttingDown: after :meth:`shutdown`.
             ValueError: for an empty prompt, ids outside the vocabulary, stop strings without a
                 tokenizer, more sequences than the queue holds, or (learned positions) a prompt
                 and max_new_tokens beyond max_seq_len.
@@ -150,11 +156,22 @@ class Engine:
         if len(sequences) > self.max_queue:
             raise ValueError(f"{len(sequences)} sequences in one request, more than the queue of {self.max_queue}")
         with self._work:
+            if self._refusing:
+                raise ShuttingDown("the server is shutting down")
             if len(self._waiting) + len(sequences) > self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} sequences are waiting (the queue holds {self.max_queue})")
             self._waiting.extend(sequences)
             self._work.notify()
         return sequences
+
+    def shutdown(self) -> None:
+        """Refuse new requests (:meth:`submit` raises :class:`ShuttingDown`) and end every waiting
+        and running sequence at the next step with finish_reason "shutdown" (any thread)."""
+        with self._work:
+            self._refusing = True
+            for sequence in [*self._waiting, *self.solo, *(s for s in self.batch.rows if s is not None)]:
+                sequence.cancel("shutdown")
+            self._work.notify()
 
     @property
     def waiting(self) -> int:
@@ -215,8 +232,8 @@ class Engine:
             gone.append(sequence)
         self.batch.shrink()
         for sequence in gone:
-            sequence.finish_reason = "cancelled"
-            self._report(sequence, [], "cancelled")
+            sequence.finish_reason = sequence.cancelled
+            self._report(sequence, [], sequence.cancelled)
 
     def _admit(self) -> int:
         admitted = 0

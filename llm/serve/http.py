@@ -4,17 +4,20 @@ Routes: ``GET /health`` (503 while the model loads), ``GET /v1/models``, ``POST 
 ``POST /v1/chat/completions`` (the tokenizer's chat template). ``stream: true`` answers with
 Server-Sent Events in OpenAI's chunk format, one event per step's new text, ``data: [DONE]``
 last. Errors are OpenAI-shaped JSON (:class:`~llm.serve.protocol.APIError`); a full queue answers
-429 with ``Retry-After``; a client that disconnects cancels its sequences, whose rows the engine
-frees at its next step. The model loads on a thread of its own after the server starts listening.
+429 with ``Retry-After``; a body larger than :func:`max_body_bytes` 413 before it is read whole.
+Requests are parsed and tokenized off the event loop; a client that disconnects cancels its
+sequences, whose rows the engine frees at its next step. The model loads on a thread of its own after the server starts listening.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -27,7 +30,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from llm.generation.config import GenerationConfig
-from llm.serve.engine import Engine, QueueFull
+from llm.serve.engine import Engine, QueueFull, ShuttingDown
 from llm.serve.protocol import (APIError, TextStream, Usage, chunk, new_id, parse_body, parse_request, response,
                                 usage, usage_chunk)
 
@@ -84,7 +87,9 @@ def _error(err: APIError) -> JSONResponse:
 
 def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | None = None) -> Starlette:
     """The ASGI app; ``load`` (run on a thread at startup) builds what it serves; if it raises,
-    ``/health`` says why (503) and ``on_failure`` gets the message.
+    ``/health`` says why (503) and ``on_failure`` gets the message. ``app.state.shutdown()`` (any
+    thread) ends every request with a 503 "the server is shutting down" (an error event, then
+    ``[DONE]``, in a stream) and refuses new ones: what a server stopping for good calls.
 
     Example:
         >>> app = create_app(lambda: Served(engine, tokenizer, "my-model", GenerationConfig(), 2048))  # doctest: +SKIP
@@ -139,6 +144,7 @@ def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | N
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.served = state
+    app.state.shutdown = lambda: state.served is not None and state.served.engine.shutdown()
     return app
 
 
@@ -152,18 +158,48 @@ async def _not_allowed(request: Request, exc):
     return _error(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"))
 
 
+def max_body_bytes(max_seq_len: int) -> int:
+    """The largest request body the server reads: 1 KiB per position of the context, at least
+    1 MiB (a prompt that fills the context is far smaller, even JSON-escaped)."""
+    return max(1 << 20, 1024 * max_seq_len)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with 413 as soon as it is known to exceed ``limit`` bytes (by
+    its Content-Length, or while it arrives), before it is parsed or tokenized."""
+    too_large = APIError(413, f"the request body is larger than this server takes ({limit:,} bytes; "
+                              f"1 KiB per position of the model's context)", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise too_large
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+#: Parsing and tokenizing requests happen here, one at a time, off the event loop: a long prompt
+#: must not stall /health and the other clients' streams (a tokenizer is not shared across threads).
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-parse")
+
+
 async def _complete(request: Request, state: _State, chat: bool):
     try:
         served = state.ready()
-        body = parse_body(await request.body())
+        raw = await _read_body(request, max_body_bytes(served.max_seq_len))
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(_PARSER, parse_body, raw)
         model = body.get("model")
         if model is not None and model != served.name:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{served.name}`.",
                            "model", "model_not_found")
-        parsed = parse_request(body, chat=chat, tokenizer=served.tokenizer, defaults=served.defaults,
-                               max_seq_len=served.max_seq_len, max_choices=served.engine.max_queue,
-                               vocab_size=served.engine.model.config.vocab_size)
-        loop = asyncio.get_running_loop()
+        parsed = await loop.run_in_executor(_PARSER, functools.partial(
+            parse_request, body, chat=chat, tokenizer=served.tokenizer, defaults=served.defaults,
+            max_seq_len=served.max_seq_len, max_choices=served.engine.max_queue,
+            vocab_size=served.engine.model.config.vocab_size))
         events: asyncio.Queue = asyncio.Queue()
 
         def callback(sequence, tokens, reason):
@@ -172,6 +208,8 @@ async def _complete(request: Request, state: _State, chat: bool):
         try:
             sequences = served.engine.submit([(parsed.prompts[p], options) for p, options in parsed.choices],
                                              callback)
+        except ShuttingDown as err:
+            raise APIError(503, str(err), code="shutting_down") from None
         except QueueFull as err:
             raise APIError(429, f"the server is busy: {err}; retry after {RETRY_AFTER_S} s", None,
                            "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -210,6 +248,8 @@ class _Run:
     def _finish_reason(self, i: int, reason: str) -> str:
         if reason == "cancelled":  # only when the client is gone: nobody reads what follows
             raise APIError(499, "the client closed the request", code="cancelled")
+        if reason == "shutdown":
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         if reason == "error":
             raise APIError(500, f"decoding failed: {self.sequences[i].error}", code="internal_error")
         return "stop" if self.texts[i].stopped else reason

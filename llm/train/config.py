@@ -560,7 +560,8 @@ class RunConfig:
             warmup, duration = parse_time(self.scheduler.t_warmup), parse_time(self.max_duration)
             if not isinstance(duration, str) and warmup.unit == duration.unit and warmup.value > duration.value:
                 raise ConfigError("scheduler.t_warmup", f"{self.scheduler.t_warmup} is longer than "
-                                                        f"max_duration {self.max_duration}")
+                                                        f"max_duration {self.max_duration}: shorten it, e.g. "
+                                                        f"scheduler.t_warmup=0.1dur (a tenth of the run)")
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as plain dicts and lists (for ``config.yaml``)."""

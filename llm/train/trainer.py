@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -47,6 +48,7 @@ from omegaconf import DictConfig
 from llm.data.streaming import clean_stale_registrations
 from llm.io import atomic_write
 from llm.model import MosaicGPT
+from llm.utils.cpu import native_bf16
 from llm.train.builders import (
     EvalSet,
     RunData,
@@ -123,10 +125,28 @@ def cpu_run() -> bool:
     return not torch.cuda.is_available()
 
 
+def run_precision(precision: str | None) -> str | None:
+    """The precision a run computes in: ``precision``, except ``amp_bf16`` on a CPU without native
+    bfloat16 (:func:`llm.utils.cpu.native_bf16`), which becomes ``fp32`` with one line on stderr
+    saying so (there, bf16 autocast trains ~30x slower than float32)."""
+    if precision == "amp_bf16" and cpu_run() and not native_bf16():
+        _say_once("warning: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so precision amp_bf16 "
+                  "runs as fp32 (bfloat16 would be ~30x slower here)")
+        return "fp32"
+    return precision
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def composer_precision(precision: str | None, model) -> str | None:
-    """Composer's precision for a run's ``precision``; ``amp_bf16`` on a CPU (which Composer
-    refuses) becomes our own autocast of ``model``'s forward (``model.autocast_dtype``, a
-    :class:`~llm.train.composer_model.ComposerMosaicGPT`) under Composer's fp32."""
+    """Composer's precision for a run's ``precision`` (after :func:`run_precision`); ``amp_bf16``
+    on a CPU (which Composer refuses) becomes our own autocast of ``model``'s forward
+    (``model.autocast_dtype``, a :class:`~llm.train.composer_model.ComposerMosaicGPT`) under
+    Composer's fp32."""
+    precision = run_precision(precision)
     if precision == "amp_bf16" and cpu_run():
         model.autocast_dtype = torch.bfloat16
         return "fp32"
@@ -139,11 +159,11 @@ def _peak_flops(dtype: torch.dtype) -> float:
 
 
 def peak_flops(cfg: Mapping[str, Any]) -> float | None:
-    """The FLOP/s that MFU is measured against: on a CPU, the measured matmul peak of the run's
-    dtype (Composer knows only GPUs'); None on a GPU (Composer's own table)."""
+    """The FLOP/s that MFU is measured against: on a CPU, the measured matmul peak of the dtype the
+    run computes in (Composer knows only GPUs'); None on a GPU (Composer's own table)."""
     if not cpu_run():
         return None
-    return _peak_flops(torch.bfloat16 if cfg["precision"] == "amp_bf16" else torch.float32)
+    return _peak_flops(torch.bfloat16 if run_precision(cfg["precision"]) == "amp_bf16" else torch.float32)
 
 
 def _prepare_run_folder(cfg: Mapping[str, Any], save_folder: Path) -> None:

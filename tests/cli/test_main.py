@@ -1,6 +1,7 @@
 """The ``llm`` command: its subcommands, ``llm fetch`` into ``$LLM_HOME``, ``llm chat``'s cached turns,
 and registered names resolving from any folder."""
 
+import importlib
 import io
 import string
 import subprocess
@@ -125,3 +126,54 @@ def test_chat_answers_each_turn_as_a_fresh_start_would(tmp_path, monkeypatch, ca
         expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
         assert answer == expected
         messages.append({"role": "assistant", "content": expected})
+
+
+def test_ctrl_c_stops_an_answer_keeps_its_words_and_the_next_turn_is_a_fresh_start(tmp_path, monkeypatch, capsys):
+    tokenizer = build_char_tokenizer(string.ascii_lowercase + " ?.<>/|")
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}|{% endfor %}"
+                               "{% if add_generation_prompt %}<a>{% endif %}")
+    model = tiny_model("rope", vocab_size=len(tokenizer), max_seq_len=512)
+    model.save_pretrained(tmp_path / "m", tokenizer=tokenizer)
+    api = importlib.import_module("llm.generation.generate")
+
+    calls, original = [], api.stream
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        for i, token in enumerate(original(*args, **kwargs)):
+            if len(calls) == 1 and i == 3:  # Ctrl-C mid-step: the cache holds a half-written step
+                raise KeyboardInterrupt
+            yield token
+
+    monkeypatch.setattr(api, "stream", interrupted_once)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nwhat now?\n\n"))
+    assert chat.main(["--model", str(tmp_path / "m"), "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    partial, answer = capsys.readouterr().out.splitlines()
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    assert partial == tokenizer.decode(out[0, len(ids):len(ids) + 3], skip_special_tokens=True)
+    messages += [{"role": "assistant", "content": partial}, {"role": "user", "content": "what now?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    assert answer == tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    class Interrupting(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "stdin", Interrupting())
+    assert chat.main(["--model", str(tmp_path / "m")]) == 130  # Ctrl-C at the prompt ends the chat
+
+
+def test_ctrl_c_ends_any_command_with_status_130_and_no_traceback(monkeypatch, capsys):
+    from llm.cli import generate
+
+    def interrupted(argv, prog):
+        print("partial text", end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "main", interrupted)
+    assert main.main(["generate", "--model", "x"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "partial text" and captured.err == "\nllm generate: interrupted\n"

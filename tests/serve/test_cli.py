@@ -1,6 +1,7 @@
 """scripts/serve.py as a user runs it: a real process serving a saved bundle, stopped by Ctrl-C;
 a model that cannot load ends the process with one line; --help names every flag."""
 
+import json
 import re
 import signal
 import socket
@@ -107,5 +108,56 @@ def test_ctrl_c_while_the_model_loads_exits_0(tmp_path):
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
         assert "stopped while the model was loading" in process.stderr.read()
+    finally:
+        process.kill()
+
+
+def _slow_server(tmp_path, bundle, *flags):
+    """The serve command on ``bundle`` with each decoding step slowed to 0.2 s, and its URL."""
+    script = tmp_path / "slow_steps.py"
+    script.write_text(
+        "import sys, time\n"
+        "from llm.serve.engine import Engine\n"
+        "step = Engine._decode_batch\n"
+        "Engine._decode_batch = lambda self: (time.sleep(0.2), step(self))[1]\n"
+        "from llm.cli.main import run\n"
+        "sys.exit(run('serve'))\n")
+    process = subprocess.Popen([sys.executable, str(script), "--model", str(bundle), "--port", "0", *flags],
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    for line in process.stderr:
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            url = m.group(1)
+            break
+    deadline = time.time() + 60
+    while httpx.get(url + "/health").status_code != 200 and time.time() < deadline:
+        time.sleep(0.1)
+    return process, url
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_ctrl_c_ends_running_streams_cleanly_after_the_grace_time_or_at_a_second_one(bundle, tmp_path, interrupts):
+    """One Ctrl-C: the stream runs on for --shutdown-timeout, then ends with a 503 error event and
+    [DONE]; a second Ctrl-C ends it at once. Either way: exit 0, no traceback, no abort."""
+    timeout = 1 if interrupts == 1 else 60
+    process, url = _slow_server(tmp_path, bundle, "--shutdown-timeout", str(timeout))
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": "the", "max_tokens": 80, "stream": True, "temperature": 0}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            started = time.time()
+            for _ in range(interrupts):
+                process.send_signal(signal.SIGINT)
+                time.sleep(0.3)
+            events = [line for line in lines if line]
+        ended = time.time() - started
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "shutting_down" and error["message"] == "the server is shutting down"
+        assert ended < 10  # 80 steps of 0.2 s would take 16 s
+        assert process.wait(30) == 0
+        err = process.stderr.read()
+        assert "Traceback" not in err and "terminate called" not in err and "CancelledError" not in err, err
     finally:
         process.kill()

@@ -349,3 +349,47 @@ def test_a_model_that_fails_to_load_is_said_by_health():
         assert health.status_code == 503 and "no model in /nowhere" in health.json()["error"]
     assert failures == ["FileNotFoundError: no model in /nowhere"]
 
+
+
+def test_after_shutdown_requests_get_503_and_health_stays_up():
+    tokenizer = build_char_tokenizer("ab")
+    model = tiny_model("alibi", vocab_size=len(tokenizer))
+    app = create_app(lambda: Served(Engine(model, tokenizer).start(), tokenizer, "m", GenerationConfig(), 96))
+    with TestClient(app) as client:
+        deadline = time.time() + 10
+        while client.get("/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.01)
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3}).status_code == 200
+        app.state.shutdown()
+        r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert client.get("/health").status_code == 200
+
+
+def test_a_body_too_large_is_413_before_it_is_read_and_tokenizing_leaves_the_loop_free(server, monkeypatch):
+    from llm.serve.http import max_body_bytes
+
+    limit = max_body_bytes(MAX_SEQ_LEN)
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "' + b"a" * limit + b'"}',
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a body sent without Content-Length is counted as it arrives
+    r = httpx.post(server.url + "/v1/completions", content=iter([b'{"prompt": "', b"a" * limit, b'"}']))
+    assert r.status_code == 413
+    # while one request's prompt is being tokenized (off the event loop), /health answers
+    held, release, original = threading.Event(), threading.Event(), type(server.tokenizer).__call__
+
+    def slow(self, text, *args, **kwargs):
+        if text.startswith("slow"):
+            held.set()
+            release.wait(10)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(server.tokenizer), "__call__", slow)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + "/v1/completions", json={"prompt": "slow one", "max_tokens": 2},
+                              timeout=30)
+        assert held.wait(10)
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        release.set()
+        assert pending.result().status_code == 200

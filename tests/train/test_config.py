@@ -362,3 +362,14 @@ def test_cli_trains_with_the_resolved_config(config_file, monkeypatch, capsys):
     assert main([str(config_file)]) == 2
     assert capsys.readouterr().err == ("train.py: error: model.vocab_size: 2048 does not match the data's "
                                        "tokenizer (4096 tokens)\n")
+
+
+def test_cli_a_missing_dataset_folder_is_one_line_naming_the_current_folder(tmp_path, monkeypatch, capsys):
+    config = Path(__file__).resolve().parents[2] / "configs" / "shakespeare.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert main([str(config), "max_duration=1ba", "scheduler.t_warmup=0ba", "save_folder=run",
+                 "train_loader.dataset.local=nowhere/data", "eval_loader.dataset.local=nowhere/data"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"train.py: error: no folder nowhere/data (relative to the current folder {tmp_path}): "
+                   "prepare one with `llm prepare`\n")
+    assert not (tmp_path / "run").exists()

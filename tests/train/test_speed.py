@@ -160,3 +160,37 @@ def test_the_benchmark_refuses_bad_arguments_in_one_line_before_measuring(argv, 
         bench.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("python -m benchmarks.train: error: ") and message in err[0]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_amp_bf16_runs_as_fp32_with_one_line_on_a_cpu_without_native_bf16(monkeypatch, capsys, native):
+    import llm.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "native_bf16", lambda: native)
+    monkeypatch.setattr(trainer, "cpu_run", lambda: True)
+    trainer._say_once.cache_clear()
+    model = ComposerMosaicGPT(MosaicGPTConfig(vocab_size=50, d_model=16, n_heads=2, n_layers=1, max_seq_len=8))
+    assert trainer.composer_precision("amp_bf16", model) == "fp32"  # Composer refuses amp_bf16 on a CPU
+    assert trainer.composer_precision("amp_bf16", model) == "fp32"
+    assert model.autocast_dtype == (torch.bfloat16 if native else None)
+    assert trainer.run_precision("amp_bf16") == ("amp_bf16" if native else "fp32")
+    assert trainer.run_precision("fp32") == "fp32"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ([] if native else [lines[0]])  # said once, however often asked
+    if not native:
+        assert "no native bfloat16" in lines[0] and "fp32" in lines[0]
+        measured = {}
+        monkeypatch.setattr(trainer, "_peak_flops", lambda dtype: measured.setdefault("dtype", dtype))
+        trainer.peak_flops({"precision": "amp_bf16"})
+        assert measured["dtype"] == torch.float32  # MFU against the peak of the dtype the run computes in
+
+
+def test_native_bf16_follows_the_cpu_flags(monkeypatch):
+    from llm.utils import cpu
+
+    for flags, expected in [({"avx2", "avx512f"}, False), ({"avx2", "avx512_bf16"}, True), ({"amx_bf16"}, True),
+                            ({"fp", "asimd", "bf16"}, True)]:
+        monkeypatch.setattr(cpu, "cpu_flags", lambda flags=flags: frozenset(flags))
+        cpu.native_bf16.cache_clear()
+        assert cpu.native_bf16() is expected
+    cpu.native_bf16.cache_clear()
