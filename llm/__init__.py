@@ -1,5 +1,7 @@
 """llm: a MosaicGPT-style decoder-only transformer with a correct, fast KV cache."""
 
+from importlib.metadata import PackageNotFoundError, version as _version
+
 from llm.cache import Cache, DynamicCache, StaticCache
 from llm.config import MosaicGPTConfig
 from llm.data.tokenizer import load_tokenizer
@@ -11,6 +13,11 @@ from llm.quant import quantize
 # The formats layer registers its loaders (GGUF files, registered names) in llm.bundle.LOADERS, which
 # MosaicGPT.from_pretrained reads: the model cannot import the formats that build it.
 import llm.formats  # noqa: E402,F401  isort: skip
+
+try:
+    __version__ = _version("mosaicgpt-llm")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Cache", "CausalLMOutput", "DynamicCache", "GenerateOutput", "GenerationConfig", "MosaicGPT", "MosaicGPTConfig",

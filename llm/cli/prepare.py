@@ -67,8 +67,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def summary(manifest: dict, out: str | Path) -> list[str]:
-    """The lines printed after a preparation: per split its counts, tokens/byte and input MB/s."""
-    lines = []
+    """The lines printed after a preparation: the tokenizer's vocabulary (a BPE trained on a small
+    corpus can hold fewer tokens than asked), then per split its counts, tokens/byte and input MB/s."""
+    tokenizer = manifest["tokenizer"]
+    asked = tokenizer.get("spec", "")
+    short = (asked.startswith("bpe:") and asked[4:].isdigit() and int(asked[4:]) > tokenizer["vocab_size"])
+    lines = [f"tokenizer: {asked or tokenizer['path']}, {tokenizer['vocab_size']:,} tokens"
+             + (f" (the corpus holds too few distinct pieces for {int(asked[4:]):,})" if short else "")]
     for split, s in manifest["splits"].items():
         rate = f"{s['bytes'] / 1e6 / s['seconds']:.2f} MB/s" if s.get("seconds") else "- MB/s"
         replaced = f", {s['replacements']:,} invalid UTF-8 sequences replaced" if s["replacements"] else ""

@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     from llm.utils.pretrained import PRETRAINED
 
     if not Path(args.model).exists() and args.model not in PRETRAINED:
-        parser.error(f"--model {args.model}: no such folder or .gguf file, and not a registered name "
-                     f"({', '.join(sorted(PRETRAINED))})")
+        parser.error(f"{args.model}: no such model folder or .gguf file, and not a registered name "
+                     f"(registered: {', '.join(sorted(PRETRAINED))})")
     # Listen before anything starts, so that a taken port or an unknown host is one line here.
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -14,6 +14,7 @@ is exactly the model's. The entry points (``generate``, ``stream``) are in
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -28,6 +29,11 @@ from llm.generation.sampling import Sampler
 
 #: The most positions ``generate`` allocates a cache for up front (SmolLM2: 46 KB a position).
 _EXPECT_LIMIT = 8192
+
+
+class ContextLengthWarning(UserWarning):
+    """Decoding runs past the model's ``max_seq_len`` (rotary or ALiBi positions extrapolate,
+    learned positions cannot and raise instead)."""
 
 
 @dataclass
@@ -175,6 +181,11 @@ class Decoding:
                 f"prompt of {self.prompt_len} tokens + max_new_tokens={self.max_new_tokens} needs {needed} "
                 f"positions, more than max_seq_len={config.max_seq_len}; shorten the prompt or max_new_tokens"
             )
+        if needed > config.max_seq_len:
+            warnings.warn(
+                f"prompt of {self.prompt_len} tokens + max_new_tokens={self.max_new_tokens} reaches position "
+                f"{needed}, past the model's context of max_seq_len={config.max_seq_len}: text beyond it is "
+                "unreliable (positions it was never trained on)", ContextLengthWarning, stacklevel=2)
         limit = self.cache.get_max_length()
         if limit is not None and needed > limit:
             raise ValueError(

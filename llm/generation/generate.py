@@ -153,6 +153,10 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
             (or a row's last real token); a prompt plus max_new_tokens beyond max_seq_len
             (learned positions) or the StaticCache.
         TypeError: an override that is not an option.
+
+    Warns:
+        ContextLengthWarning: a prompt plus max_new_tokens beyond max_seq_len (rotary or ALiBi
+            positions, which run on but were never trained there).
     """
     options = _options(model, generation_config, overrides)
     decodings = _decodings(model, input_ids, inputs_embeds, attention_mask, past_key_values, options, tokenizer,

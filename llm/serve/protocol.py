@@ -132,10 +132,12 @@ def _neutral(*values):
 
 class _Request(_Body):
     """The fields /v1/completions and /v1/chat/completions share (OpenAI's, plus transformers'
-    names for our extra sampling fields)."""
+    names for our extra sampling fields). ``max_completion_tokens`` is the newer name of
+    ``max_tokens`` (which OpenAI deprecates for chat) and wins over it on both routes."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     n: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -210,11 +212,9 @@ class CompletionRequest(_Request):
 
 
 class ChatCompletionRequest(_Request):
-    """The body of ``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of
-    ``max_tokens`` (which OpenAI deprecates for chat) and wins over it."""
+    """The body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 def _path(loc: tuple) -> str:
@@ -325,13 +325,12 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
         raise _bad_body(err) from None
     vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
     prompts, texts = _chat_prompt(request, tokenizer) if chat else _prompts(request, tokenizer, vocab_size)
-    max_tokens = request.max_tokens
-    if chat and request.max_completion_tokens is not None:
-        max_tokens = request.max_completion_tokens
+    max_tokens = request.max_completion_tokens or request.max_tokens
     n = request.n or 1
     if n * len(prompts) > max_choices:
-        raise bad(f"{len(prompts)} prompts x n={n} asks for {n * len(prompts)} completions; this server takes "
-                  f"at most {max_choices} per request", "n")
+        asked = f"{len(prompts)} prompts" if len(prompts) > 1 else "1 prompt"
+        raise bad(f"{asked} x n={n} ask for {n * len(prompts)} completions; this server makes at most {max_choices} "
+                  "per request", "n" if n > 1 else "prompt")
     stop = request.stop or ()
 
     for ids in prompts:

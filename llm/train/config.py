@@ -499,8 +499,10 @@ class RunConfig:
       ``auto``, or null: the whole per-rank batch), ``device_eval_batch_size`` (> 0; default:
       ``global_train_batch_size`` in training), ``precision`` (null: Composer's choice;
       ``amp_bf16`` on a CPU, which Composer refuses there, autocasts the forward to bfloat16
-      around fp32 weights, optimizer state and loss), ``compile_config``
-      (:class:`CompileConfig`, null: no compiling).
+      around fp32 weights, optimizer state and loss; on a CPU without native bfloat16 it runs as
+      fp32, saying so), ``compile_config`` (:class:`CompileConfig`, null: no compiling).
+    * ``progress_bar`` (a bar on a terminal; where the output is not a terminal, one console line
+      per ``console_log_interval`` instead), ``log_to_console``, ``console_log_interval``.
     * ``seed`` (0 to 2**32 - 1), ``save_folder`` (the run folder), ``save_num_checkpoints_to_keep``
       (-1: all), ``load_path``, ``autoresume``, ``run_name`` (default: the name of save_folder).
       ``allow_config_change``: resume a run folder under settings that differ from its

@@ -240,8 +240,9 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         precision=composer_precision(cfg["precision"], model),
         compile_config=cfg["compile_config"],
         seed=cfg["seed"],
-        progress_bar=cfg["progress_bar"],
-        log_to_console=cfg["log_to_console"],
+        # a bar redrawn with cursor escapes is noise in a log file: there, one console line per interval
+        progress_bar=cfg["progress_bar"] and _terminal(),
+        log_to_console=cfg["log_to_console"] or (cfg["progress_bar"] and not _terminal()),
         console_log_interval=cfg["console_log_interval"],
         save_folder=str(save_folder),
         save_filename=CHECKPOINT_FILENAME,
@@ -256,6 +257,11 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
+
+
+def _terminal() -> bool:
+    """Whether the run's output goes to a terminal (both stdout and stderr)."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def figures(nats_per_token: float, predicted_tokens: int, tokens_per_byte: float) -> dict[str, float]:

@@ -78,7 +78,9 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
+        # a key that is a whole file's text (a file that is not a config) is not echoed whole
+        shown = path if len(path) <= 100 else f"{path[:60]}... ({len(path)} characters)"
+        super().__init__(f"{shown}: {message}" if path else message)
 
     def with_prefix(self, prefix: str) -> "ConfigError":
         """The same error with ``prefix`` (a dataclass's path) put before its path."""

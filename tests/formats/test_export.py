@@ -252,7 +252,8 @@ def test_the_script_exports_a_bundle_and_a_checkpoint(tmp_path, tiny_data, capsy
               "--out", tmp_path / "z"], "is not a checkpoint"),
             (["--model", bundle, "--to", "transformers", "--out", tmp_path, "--overwrite"], "is not a model folder"),
             (["--model", bundle, "--to", "transformers", "--out", ""], "--out must name a folder or file to write"),
-            (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y.gguf"], "character-level")):
+            (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y.gguf"], "character-level"),
+            (["--model", bundle, "--to", "gguf", "--out", tmp_path / "y"], "a GGUF file's name ends in .gguf")):
         with pytest.raises(SystemExit) as exit_:
             export_main([str(a) for a in argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -139,6 +139,11 @@ def test_a_prompt_cache_from_another_model_or_unreadable_is_recomputed_and_said(
         (["--prompt", "a", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--prompt", "a", "--speculative", "lookup", "--speculative-schedule", "adaptive"], "invalid choice: 'adaptive'"),
         (["--prompt", "a", "--chat"], "no chat template"),
+        (["--prompts-file", "/dev/null"], "--prompts-file /dev/null holds no prompt: give one per line"),
+        (["--prompt", "a", "--system", "", "--prompt-cache", "x.cache"], "give a non-empty --system too"),
+        (["--prompt", "a", "--system", "s", "--prompt-cache", "/"], "--prompt-cache / is a folder: give a file name"),
+        (["--prompt", "a", "--system", "s", "--prompt-cache", "/no/such/x.cache"], "no folder /no/such to keep it in"),
+        (["--model", "nosuch", "--prompt", "a"], "nosuch: no such model folder or .gguf file, and not a registered name"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(bundle, capsys, argv, message):
@@ -199,7 +204,7 @@ def test_the_script_exits_2_with_one_line(bundle, argv, message):
 def test_missing_model_exits_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(tmp_path / "nope"), "--prompt", "a"])
-    assert exit_info.value.code == 2 and "config.yaml" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "nope: no such model folder or .gguf file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, expected, warning", [

@@ -3,6 +3,7 @@ token ids outside the vocabulary, and no autograd at any entry point."""
 
 import io
 import string
+import warnings
 from contextlib import redirect_stdout
 
 import pytest
@@ -125,6 +126,20 @@ def test_prompt_cache_reused_and_from_a_file_gives_the_recomputed_output(tmp_pat
         loaded = model.generate(full, past_key_values=Cache.load(tmp_path / "system.cache"), **kwargs)
         assert torch.equal(reused, fresh) and torch.equal(loaded, fresh)
     assert cache.get_seq_length() == 12  # the shared prefix cache itself is untouched
+
+
+@torch.no_grad()
+def test_decoding_past_a_rotary_models_context_warns_and_runs_on():
+    from llm.generation.decoding import ContextLengthWarning
+
+    model = tiny_model("rope", max_seq_len=16)
+    ids = torch.randint(0, 61, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate(ids, max_new_tokens=9)  # position 16: still inside
+    with pytest.warns(ContextLengthWarning, match="reaches position 17, past the model's context of max_seq_len=16"):
+        out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert out.shape == (1, 18)
 
 
 @torch.no_grad()

@@ -70,7 +70,7 @@ def test_what_cannot_start_is_one_line_before_anything_loads(bundle, tmp_path):
     taken = socket.create_server(("127.0.0.1", 0))
     port = taken.getsockname()[1]
     for argv, status, message in [
-        (["--model", str(tmp_path / "missing")], 2, "no such folder or .gguf file, and not a registered name"),
+        (["--model", str(tmp_path / "missing")], 2, "missing: no such model folder or .gguf file, and not a registered name"),
         (["--model", str(bundle), "--port", "99999"], 2, "argument --port: must be an integer <= 65535, got 99999"),
         (["--model", str(bundle), "--port", str(port)], 1, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
         (["--model", str(bundle), "--host", "no-such-host.invalid"], 1, "cannot listen on no-such-host.invalid:8000"),

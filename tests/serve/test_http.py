@@ -199,6 +199,10 @@ def test_neutral_values_of_unserved_fields_pass_and_max_completion_tokens_wins(s
         frequency_penalty=0, tool_choice="none", max_tokens=3, max_completion_tokens=7)
     expected = server.alone([{"role": "user", "content": "hi"}], 7, chat=True, temperature=0)
     assert out.choices[0].message.content == expected[0] and out.usage.completion_tokens == expected[2]
+    out = server.client.completions.create(model="tiny", prompt="hi", temperature=0, max_tokens=3,
+                                           extra_body={"max_completion_tokens": 7})
+    expected = server.alone("hi", 7, temperature=0)
+    assert out.choices[0].text == expected[0] and out.usage.completion_tokens == expected[2]
 
 
 def test_a_model_is_retrieved_by_id_and_browsers_may_call_from_other_origins(server):

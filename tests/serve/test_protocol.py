@@ -92,6 +92,8 @@ def test_out_of_range_fields_name_themselves(chars, body, param):
     ({"prompt": "ab", "n": True}, "'n' must be an integer, got true"),
     ({"prompt": "ab", "stream_options": 3}, "'stream_options' must be an object, got 3"),
     ({}, "'prompt' is required"),
+    ({"prompt": "ab", "n": 9}, "1 prompt x n=9 ask for 9 completions; this server makes at most 8 per request"),
+    ({"prompt": ["a"] * 9}, "9 prompts x n=1 ask for 9 completions"),
 ])
 def test_errors_say_what_is_allowed_and_what_came(chars, body, message):
     with pytest.raises(APIError, match=re.escape(message)):

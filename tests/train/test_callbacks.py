@@ -80,3 +80,24 @@ def test_train_writes_curves_and_config(setup, tmp_path):
     assert curves["eval"]["heldout/validation"]["LanguageCrossEntropy"] == [[6, pytest.approx(result["heldout_nats_per_token"])]]
     assert (folder / CURVES_PNG).stat().st_size > 10_000
     assert OmegaConf.to_container(OmegaConf.load(folder / CONFIG_YAML)) == llm.train.resolve_config(cfg)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_progress_bar_is_drawn_on_a_terminal_and_logged_as_lines_elsewhere(setup, monkeypatch, terminal):
+    import llm.train.trainer as trainer_module
+
+    cfg, data = setup
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(trainer_module, "_terminal", lambda: terminal)
+    monkeypatch.setattr(trainer_module, "Trainer", fake_trainer)
+    with pytest.raises(Stop):
+        trainer_module.build_trainer(dict(cfg, progress_bar=True, log_to_console=False), data)
+    assert (seen["progress_bar"], seen["log_to_console"]) == ((True, False) if terminal else (False, True))
