@@ -1,7 +1,8 @@
 """Serve a model over an OpenAI-compatible HTTP API: ``llm serve --model M``.
 
 Continuous batching (requests join and leave the running batch at every step), prefix caching,
-streaming; GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+streaming; GET /health, GET /metrics (Prometheus), GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
                         "(least recently used evicted; 0: off; default 4096)")
     add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
+    p.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
+                   help="answer /v1 requests only with 'Authorization: Bearer API_KEY' (default: $LLM_API_KEY; "
+                        "none: open to anyone who reaches the port)")
     p.add_argument("--shutdown-timeout", type=integer(0), default=10,
                    help="seconds that running requests may go on after Ctrl-C (or SIGTERM) before they end "
                         "with a 503 'shutting down' (a second Ctrl-C ends them at once; default 10)")
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
         failures.append(message)
         server.should_exit = True
 
-    app = create_app(loader(args), on_failure=failed)
+    app = create_app(loader(args), on_failure=failed, api_key=args.api_key)
     server = graceful_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
                              app.state.shutdown, args.shutdown_timeout)
     host, port = listening.getsockname()[:2]

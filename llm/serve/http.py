@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import json
 import logging
 import threading
@@ -26,11 +27,12 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llm.generation.config import GenerationConfig
 from llm.serve.engine import Engine, QueueFull, ShuttingDown
+from llm.serve.metrics import Metrics, RequestClock
 from llm.serve.protocol import (APIError, TextStream, Usage, chunk, new_id, parse_body, parse_request, response,
                                 usage, usage_chunk)
 
@@ -64,6 +66,8 @@ class _State:
     def __init__(self, load: Callable[[], Served], on_failure: Callable[[str], None] | None):
         self.load, self.on_failure, self.served, self.failure = load, on_failure, None, None
         self.started = int(time.time())
+        self.metrics = Metrics(running=lambda: self.served.engine.running if self.served else 0,
+                               waiting=lambda: self.served.engine.waiting if self.served else 0)
 
     def loader(self) -> None:
         try:
@@ -85,9 +89,30 @@ def _error(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | None = None) -> Starlette:
+class _APIKey:
+    """ASGI middleware: the ``/v1`` routes answer only requests that carry ``Authorization: Bearer
+    KEY`` (401, as OpenAI answers a wrong key, otherwise); ``/health`` and ``/metrics`` stay open
+    (vLLM's ``--api-key`` does the same)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: no key guessed byte by byte
+                why = "Incorrect API key provided" if given else "Missing API key: send Authorization: Bearer KEY"
+                await _error(APIError(401, why, code="invalid_api_key"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | None = None,
+               api_key: str | None = None) -> Starlette:
     """The ASGI app; ``load`` (run on a thread at startup) builds what it serves; if it raises,
-    ``/health`` says why (503) and ``on_failure`` gets the message. ``app.state.shutdown()`` (any
+    ``/health`` says why (503) and ``on_failure`` gets the message. With ``api_key``, the ``/v1``
+    routes need ``Authorization: Bearer API_KEY``. ``GET /metrics`` reports in Prometheus's format
+    (:mod:`llm.serve.metrics`). ``app.state.shutdown()`` (any
     thread) ends every request with a 503 "the server is shutting down" (an error event, then
     ``[DONE]``, in a stream) and refuses new ones: what a server stopping for good calls.
 
@@ -131,21 +156,32 @@ def create_app(load: Callable[[], Served], on_failure: Callable[[str], None] | N
         return JSONResponse({"id": served.name, "object": "model", "created": state.started, "owned_by": "llm"})
 
     async def completions(request: Request):
-        return await _complete(request, state, chat=False)
+        return _counted(await _complete(request, state, chat=False), state, "/v1/completions")
 
     async def chat_completions(request: Request):
-        return await _complete(request, state, chat=True)
+        return _counted(await _complete(request, state, chat=True), state, "/v1/chat/completions")
 
-    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+    async def metrics(request: Request):
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+              Route("/v1/models/{name:path}", model),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     # browsers' chat UIs call from other origins, as they do llama-server and vLLM (both allow any)
     middleware = [Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])]
+    if api_key:
+        middleware.append(Middleware(_APIKey, key=api_key))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.served = state
     app.state.shutdown = lambda: state.served is not None and state.served.engine.shutdown()
     return app
+
+
+def _counted(response: Response, state: _State, route: str) -> Response:
+    state.metrics.responses.labels(route=route, status=str(response.status_code)).inc()
+    return response
 
 
 async def _not_found(request: Request, exc):
@@ -217,7 +253,7 @@ async def _complete(request: Request, state: _State, chat: bool):
             raise APIError(400, str(err)) from None
     except APIError as err:
         return _error(err)
-    run = _Run(served, parsed, sequences, events, chat)
+    run = _Run(served, parsed, sequences, events, chat, RequestClock(state.metrics, len(sequences)))
     if parsed.stream:
         return StreamingResponse(run.sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -227,8 +263,9 @@ async def _complete(request: Request, state: _State, chat: bool):
 class _Run:
     """One request's sequences, read back from the engine's events."""
 
-    def __init__(self, served: Served, parsed, sequences, events: asyncio.Queue, chat: bool):
+    def __init__(self, served: Served, parsed, sequences, events: asyncio.Queue, chat: bool, clock: RequestClock):
         self.served, self.parsed, self.sequences, self.events, self.chat = served, parsed, sequences, events, chat
+        self.clock = clock
         self.index = {s.id: i for i, s in enumerate(sequences)}
         self.texts = [TextStream(served.tokenizer, parsed.stop) for _ in sequences]
         self.reasons: list[str | None] = [None] * len(sequences)
@@ -260,9 +297,14 @@ class _Run:
         while left:
             sequence, tokens, reason = await self.events.get()
             i = self.index[sequence.id]
+            self.clock.tokens(i, len(tokens))
             piece = self.texts[i].add(tokens, final=reason is not None)
             if reason is not None:
                 left -= 1
+                self.clock.finished(reason)
+                if not left:
+                    usage_ = self.usage()
+                    self.clock.done(usage_.prompt_tokens, usage_.prompt_tokens_details.cached_tokens)
                 reason = self._finish_reason(i, reason)
                 self.reasons[i] = reason
             yield i, piece, reason

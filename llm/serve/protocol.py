@@ -30,14 +30,14 @@ class APIError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``.
 
     Args:
-        status: the HTTP status (400, 404, 429, 500, 503).
+        status: the HTTP status (400, 401, 404, 413, 429, 500, 503).
         message: what was wrong and what is allowed.
         param: the request field at fault, or None.
         code: a machine-readable code (OpenAI's where it has one), or None.
     """
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):

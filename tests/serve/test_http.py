@@ -397,3 +397,59 @@ def test_a_body_too_large_is_413_before_it_is_read_and_tokenizing_leaves_the_loo
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
         release.set()
         assert pending.result().status_code == 200
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus's text format (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(server):
+    before = httpx.get(server.url + "/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    out = server.client.completions.create(model="tiny", prompt="metrics", max_tokens=6, temperature=0, n=2)
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model="tiny", prompt="x", max_tokens=6, temperature=-1)
+    after = httpx.get(server.url + "/metrics").text
+    b = before.text
+    generated = _metric(after, "llm:generation_tokens_total") - _metric(b, "llm:generation_tokens_total")
+    assert generated == out.usage.completion_tokens
+    assert (_metric(after, "llm:prompt_tokens_total") - _metric(b, "llm:prompt_tokens_total")) == out.usage.prompt_tokens
+    route = {"route": "/v1/completions", "status": "200"}
+    assert _metric(after, "llm:http_responses_total", **route) - _metric(b, "llm:http_responses_total", **route) == 1
+    bad = {"route": "/v1/completions", "status": "400"}
+    assert _metric(after, "llm:http_responses_total", **bad) - _metric(b, "llm:http_responses_total", **bad) == 1
+    for reason in {c.finish_reason for c in out.choices}:
+        n = sum(c.finish_reason == reason for c in out.choices)
+        key = {"finished_reason": reason}
+        assert _metric(after, "llm:request_success_total", **key) - _metric(b, "llm:request_success_total", **key) == n
+    for histogram in ("llm:time_to_first_token_seconds", "llm:e2e_request_latency_seconds"):
+        assert _metric(after, histogram + "_count") - _metric(b, histogram + "_count") == 1
+    steps = out.usage.completion_tokens - 2  # every token after each choice's first
+    assert (_metric(after, "llm:time_per_output_token_seconds_count")
+            - _metric(b, "llm:time_per_output_token_seconds_count")) == steps
+    assert _metric(after, "llm:num_requests_running") == 0
+
+
+def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open():
+    tokenizer = build_char_tokenizer("ab")
+    model = tiny_model("alibi", vocab_size=len(tokenizer))
+    app = create_app(lambda: Served(Engine(model, tokenizer).start(), tokenizer, "m", GenerationConfig(), 96),
+                     api_key="s3cret")
+    with TestClient(app) as client:
+        deadline = time.time() + 10
+        while client.get("/health").status_code != 200 and time.time() < deadline:
+            time.sleep(0.01)
+        assert client.get("/metrics").status_code == 200
+        for headers, message in (({}, "Missing API key"), ({"Authorization": "Bearer wrong"}, "Incorrect API key")):
+            r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["message"].startswith(message)
+            assert client.get("/v1/models", headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=ok).status_code == 200
+        assert client.get("/v1/models", headers=ok).status_code == 200
