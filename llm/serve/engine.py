@@ -63,6 +63,10 @@ class Sequence:
         finish_reason: None while running; "stop" (eos or a stop string), "length"
             (``max_new_tokens``), "cancelled", "shutdown" or "error" (then ``error`` says what went wrong).
         cached_tokens: prompt positions taken from the prefix cache instead of computed.
+        logprobs: None, or how many alternatives each new token's ``token_logprobs`` entry lists.
+        token_logprobs: per new token (with ``logprobs``), ``(token id, log probability,
+            [(id, log probability) of the ``logprobs`` most likely tokens]``) under the model's
+            distribution (log-softmax of its logits, before temperature or truncation, as vLLM's).
     """
 
     prompt: list[int]
@@ -74,6 +78,8 @@ class Sequence:
     cached_tokens: int = 0
     id: int = field(default_factory=lambda: next(_ids))
     cancelled: str | None = None
+    logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
     # the engine's state of the running row
     sampler: Sampler | None = None
     seen: torch.Tensor | None = None
@@ -123,7 +129,8 @@ class Engine:
 
     # -- submission (any thread) ------------------------------------------------------------
     def submit(self, requests: list[tuple[list[int], GenerationConfig]],
-               callback: Callable[[Sequence, list[int], str | None], None] | None = None) -> list[Sequence]:
+               callback: Callable[[Sequence, list[int], str | None], None] | None = None,
+               logprobs: int | None = None) -> list[Sequence]:
         """Queue prompts (all or none); return their :class:`Sequence`\\ s.
 
         Args:
@@ -132,6 +139,8 @@ class Engine:
                 ``prompt_lookup_num_tokens``...).
             callback: called on the engine's thread as ``callback(sequence, new_token_ids,
                 finish_reason)`` for each step's new tokens, finish_reason None until the last.
+            logprobs: record each new token's log probability and this many alternatives
+                (``Sequence.token_logprobs``, filled before the callback hears of the token).
 
         Raises:
             QueueFull: if the waiting queue cannot take them all.
@@ -152,7 +161,9 @@ class Engine:
                                  f"{needed} positions, more than max_seq_len={config.max_seq_len}")
             if options.stop_strings and self.tokenizer is None:
                 raise ValueError("stop strings need the engine's tokenizer")
-            sequences.append(Sequence(list(prompt), options, callback))
+            if logprobs is not None and options.prompt_lookup_num_tokens is not None:
+                raise ValueError("logprobs with prompt_lookup_num_tokens is not supported")
+            sequences.append(Sequence(list(prompt), options, callback, logprobs=logprobs))
         if len(sequences) > self.max_queue:
             raise ValueError(f"{len(sequences)} sequences in one request, more than the queue of {self.max_queue}")
         with self._work:
@@ -274,7 +285,7 @@ class Engine:
         logits, layers = self._prefill(ids, cached, past)
         self.prefix.store(sequence.prompt, layers)
         token = int(sequence.sampler.pick(logits, sequence.seen)[0])
-        if not self._emit(sequence, token):
+        if not self._emit(sequence, token, logits):
             self.batch.join(sequence, layers)
 
     def _prefill(self, ids: torch.Tensor, cached: int, past) -> tuple[torch.Tensor, list]:
@@ -305,7 +316,7 @@ class Engine:
         for slot, sequence in enumerate(self.batch.rows):
             if sequence is not None:
                 token = int(sequence.sampler.pick(logits[slot:slot + 1], sequence.seen)[0])
-                if self._emit(sequence, token):
+                if self._emit(sequence, token, logits[slot:slot + 1]):
                     finished.append(slot)
         for slot in finished:
             sequence = self.batch.rows[slot]
@@ -313,8 +324,14 @@ class Engine:
             self.prefix.store(sequence.prompt + sequence.tokens[:-1], self.batch.leave(slot))
         self.batch.shrink()
 
-    def _emit(self, sequence: Sequence, token: int) -> bool:
-        """Record a batch row's new token; report it; return whether the row is finished."""
+    def _emit(self, sequence: Sequence, token: int, logits: torch.Tensor) -> bool:
+        """Record a batch row's new token (sampled from ``logits``, (1, vocab)); report it; return
+        whether the row is finished."""
+        if sequence.logprobs is not None:
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            top = logprobs.topk(sequence.logprobs) if sequence.logprobs else None
+            sequence.token_logprobs.append(
+                (token, float(logprobs[token]), list(zip(top.indices.tolist(), top.values.tolist())) if top else []))
         sequence.tokens.append(token)
         if sequence.seen is not None:
             sequence.seen[0, token] = True

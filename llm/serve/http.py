@@ -33,8 +33,8 @@ from starlette.routing import Route
 from llm.generation.config import GenerationConfig
 from llm.serve.engine import Engine, QueueFull, ShuttingDown
 from llm.serve.metrics import Metrics, RequestClock
-from llm.serve.protocol import (APIError, TextStream, Usage, chunk, new_id, parse_body, parse_request, response,
-                                usage, usage_chunk)
+from llm.serve.protocol import (APIError, TextStream, Usage, chunk, logprobs_json, new_id, parse_body,
+                                parse_request, response, usage, usage_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ async def _complete(request: Request, state: _State, chat: bool):
 
         try:
             sequences = served.engine.submit([(parsed.prompts[p], options) for p, options in parsed.choices],
-                                             callback)
+                                             callback, logprobs=parsed.logprobs)
         except ShuttingDown as err:
             raise APIError(503, str(err), code="shutting_down") from None
         except QueueFull as err:
@@ -266,6 +266,8 @@ class _Run:
     def __init__(self, served: Served, parsed, sequences, events: asyncio.Queue, chat: bool, clock: RequestClock):
         self.served, self.parsed, self.sequences, self.events, self.chat = served, parsed, sequences, events, chat
         self.clock = clock
+        self.logprobs: list[list] = [[] for _ in sequences]  # the entries read so far, per choice
+        self.offsets = [0] * len(sequences)  # completions' text_offset of each choice's next token
         self.index = {s.id: i for i, s in enumerate(sequences)}
         self.texts = [TextStream(served.tokenizer, parsed.stop) for _ in sequences]
         self.reasons: list[str | None] = [None] * len(sequences)
@@ -291,13 +293,27 @@ class _Run:
             raise APIError(500, f"decoding failed: {self.sequences[i].error}", code="internal_error")
         return "stop" if self.texts[i].stopped else reason
 
+    def _new_logprobs(self, i: int, tokens: list[int]) -> dict | None:
+        """The logprobs of choice ``i``'s new ``tokens`` in OpenAI's form (None unless asked for)."""
+        if self.parsed.logprobs is None or not tokens:
+            return None
+        done = self.logprobs[i]
+        entries = self.sequences[i].token_logprobs[len(done):len(done) + len(tokens)]
+        done.extend(entries)
+        out = logprobs_json(self.chat, entries, self.served.tokenizer, self.offsets[i])
+        if not self.chat:
+            self.offsets[i] += sum(len(piece) for piece in out["tokens"])
+        return out
+
     async def events_until_done(self):
-        """Yield (choice index, new text, finish_reason or None) until every sequence is finished."""
+        """Yield (choice index, new text, finish_reason or None, logprobs of the new tokens or
+        None) until every sequence is finished."""
         left = len(self.sequences)
         while left:
             sequence, tokens, reason = await self.events.get()
             i = self.index[sequence.id]
             self.clock.tokens(i, len(tokens))
+            logprobs = self._new_logprobs(i, tokens)
             piece = self.texts[i].add(tokens, final=reason is not None)
             if reason is not None:
                 left -= 1
@@ -307,7 +323,7 @@ class _Run:
                     self.clock.done(usage_.prompt_tokens, usage_.prompt_tokens_details.cached_tokens)
                 reason = self._finish_reason(i, reason)
                 self.reasons[i] = reason
-            yield i, piece, reason
+            yield i, piece, reason, logprobs
 
     async def whole(self, request: Request):
         async def watch():  # a client gone while we wait: free its rows
@@ -318,7 +334,7 @@ class _Run:
         watcher = asyncio.create_task(watch())
         try:
             texts = [""] * len(self.sequences)
-            async for i, piece, _ in self.events_until_done():
+            async for i, piece, _, _ in self.events_until_done():
                 texts[i] += piece
         except APIError as err:
             return _error(err)
@@ -326,8 +342,11 @@ class _Run:
             watcher.cancel()
         if self.parsed.echo:
             texts = [self.parsed.texts[p] + t for (p, _), t in zip(self.parsed.choices, texts)]
+        logprobs = None
+        if self.parsed.logprobs is not None:
+            logprobs = [logprobs_json(self.chat, entries, self.served.tokenizer) for entries in self.logprobs]
         return JSONResponse(response(self.chat, self.id, self.served.name, self.parsed.created, texts, self.reasons,
-                                     self.usage()))
+                                     self.usage(), logprobs))
 
     async def sse(self):
         name, created, usage_wanted = self.served.name, self.parsed.created, self.parsed.include_usage
@@ -343,10 +362,10 @@ class _Run:
                     yield event(chunk(False, self.id, name, created, i, text=self.parsed.texts[p],
                                       include_usage=usage_wanted))
             try:
-                async for i, piece, reason in self.events_until_done():
-                    if piece:
+                async for i, piece, reason, logprobs in self.events_until_done():
+                    if piece or logprobs:
                         yield event(chunk(self.chat, self.id, name, created, i, text=piece,
-                                          include_usage=usage_wanted))
+                                          include_usage=usage_wanted, logprobs=logprobs))
                     if reason is not None:
                         yield event(chunk(self.chat, self.id, name, created, i, finish_reason=reason,
                                           include_usage=usage_wanted))

@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llm.generation.config import GenerationConfig
 
+#: The most alternatives a token's logprobs entry may list (OpenAI's limit for chat).
+MAX_LOGPROBS = 20
+
 #: OpenAI's default max_tokens for /v1/completions (chat defaults to what the context leaves).
 COMPLETIONS_MAX_TOKENS = 16
 
@@ -154,15 +157,11 @@ class _Request(_Body):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     response_format: Any = None
     tool_choice: Any = None
 
     _penalties = field_validator("presence_penalty", "frequency_penalty")(_neutral(0, 0.0))
     _bias = field_validator("logit_bias")(_neutral({}))
-    _logprobs = field_validator("logprobs")(_neutral(False))
-    _top_logprobs = field_validator("top_logprobs")(_neutral())
     _tool_choice = field_validator("tool_choice")(_neutral("none", "auto"))
 
     @field_validator("stop")
@@ -199,9 +198,21 @@ def _prompt_items(prompt) -> list:
 
 
 class CompletionRequest(_Request):
-    """The body of ``POST /v1/completions``."""
+    """The body of ``POST /v1/completions``; ``logprobs``: how many alternatives each token's
+    entry lists (0 to :data:`MAX_LOGPROBS`)."""
 
     prompt: Any
+    logprobs: Any = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _alternatives(cls, value):
+        if value is None or value is False:  # false: what chat clients send for none
+            return None
+        if type(value) is not int or not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be an integer from 0 to {MAX_LOGPROBS} (alternatives per token), "
+                             f"got {json.dumps(value)[:80]}")
+        return value
     echo: bool | None = None
     best_of: Any = None
     suffix: Any = None
@@ -212,9 +223,12 @@ class CompletionRequest(_Request):
 
 
 class ChatCompletionRequest(_Request):
-    """The body of ``POST /v1/chat/completions``."""
+    """The body of ``POST /v1/chat/completions``; ``logprobs: true`` asks for each token's log
+    probability, with ``top_logprobs`` (0 to :data:`MAX_LOGPROBS`) alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def _path(loc: tuple) -> str:
@@ -255,6 +269,7 @@ class Parsed:
         prompts: token ids per prompt; texts: the prompts as text (for ``echo``).
         choices: per choice, (prompt index, options); choice i of prompt p has index p * n + i.
         stop: the stop strings (the text ends before the first of them).
+        logprobs: with logprobs asked for, how many alternatives each token's entry lists.
     """
 
     prompts: list[list[int]]
@@ -265,6 +280,7 @@ class Parsed:
     include_usage: bool = False
     echo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: int | None = None  # alternatives per token's logprobs entry; None: no logprobs
 
 
 def _prompts(request: CompletionRequest, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
@@ -316,7 +332,7 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
             field, a value out of range (``max_tokens`` < 1, ``temperature`` < 0, ``top_p``
             outside (0, 1], ``n`` < 1...), a prompt that with its ``max_tokens`` exceeds the
             context, token ids outside the vocabulary, or a field this server does not implement
-            with a value that would matter (``logprobs``, penalties, ``logit_bias``, ``best_of``,
+            with a value that would matter (penalties, ``logit_bias``, ``best_of``,
             ``suffix``, ``response_format`` other than text, a forced ``tool_choice``).
     """
     try:
@@ -370,8 +386,24 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
                 raise bad(str(err), name if name in body else None) from None
             choices.append((p, options))
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return Parsed(prompts, texts, choices, stop, bool(request.stream), include_usage,
-                  bool(not chat and request.echo))
+    echo = bool(not chat and request.echo)
+    return Parsed(prompts, texts, choices, stop, bool(request.stream), include_usage, echo,
+                  logprobs=_logprobs(request, chat, echo))
+
+
+def _logprobs(request, chat: bool, echo: bool) -> int | None:
+    """How many alternatives each token's logprobs entry lists; None without logprobs."""
+    if chat:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        wanted = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        wanted = request.logprobs
+    if wanted is not None and request.prompt_lookup_num_tokens is not None:
+        raise bad("logprobs with prompt_lookup_num_tokens is not supported: ask for one or the other", "logprobs")
+    if wanted is not None and echo:
+        raise bad("logprobs with echo (the prompt's logprobs) is not supported", "logprobs")
+    return wanted
 
 
 class TextStream:
@@ -439,7 +471,7 @@ class Usage(_Out):
 class CompletionChoice(_Out):
     index: int
     text: str
-    logprobs: None
+    logprobs: dict | None
     finish_reason: str | None
 
 
@@ -451,7 +483,7 @@ class AssistantMessage(_Out):
 class ChatChoice(_Out):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: dict | None
     finish_reason: str | None
 
 
@@ -463,7 +495,7 @@ class Delta(_Out):
 class ChatChunkChoice(_Out):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: dict | None
     finish_reason: str | None
 
 
@@ -501,34 +533,67 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+#: One new token's log probability: (token id, its logprob, [(id, logprob) of the most likely
+#: tokens, most likely first]).
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+def logprobs_json(chat: bool, entries: list[TokenLogprob], tokenizer, offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` of a choice (or a chunk's tokens): chat's ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs"}]}``, completions' ``{"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}`` (offsets into the completion from ``offset``). A token's
+    text is its own decoding (a piece of a multi-byte character decodes to U+FFFD)."""
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    if chat:
+        def item(token, logprob):
+            piece = text(token)
+            return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+
+        return {"content": [dict(item(t, lp), top_logprobs=[item(a, alp) for a, alp in top])
+                            for t, lp, top in entries]}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = []
+    for piece in tokens:
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(a): alp for a, alp in top} for _, _, top in entries], "text_offset": offsets}
+
+
 def response(chat: bool, request_id: str, model: str, created: int, texts: list[str], reasons: list[str],
-             usage_: Usage) -> dict:
-    """The whole answer of a request that did not stream, as JSON-ready dicts."""
-    pairs = enumerate(zip(texts, reasons))
+             usage_: Usage, logprobs: list[dict] | None = None) -> dict:
+    """The whole answer of a request that did not stream, as JSON-ready dicts (``logprobs``:
+    per choice, from :func:`logprobs_json`)."""
+    logprobs = logprobs or [None] * len(texts)
+    rows = enumerate(zip(texts, reasons, logprobs))
     if chat:
         out = ChatCompletion(id=request_id, object="chat.completion", created=created, model=model, usage=usage_,
                              choices=[ChatChoice(index=i, message=AssistantMessage(role="assistant", content=t),
-                                                 logprobs=None, finish_reason=r) for i, (t, r) in pairs])
+                                                 logprobs=lp, finish_reason=r) for i, (t, r, lp) in rows])
     else:
         out = Completion(id=request_id, object="text_completion", created=created, model=model, usage=usage_,
-                         choices=[CompletionChoice(index=i, text=t, logprobs=None, finish_reason=r)
-                                  for i, (t, r) in pairs])
+                         choices=[CompletionChoice(index=i, text=t, logprobs=lp, finish_reason=r)
+                                  for i, (t, r, lp) in rows])
     return out.model_dump(exclude_unset=True)
 
 
 def chunk(chat: bool, request_id: str, model: str, created: int, index: int, *, text: str | None = None,
-          role: bool = False, finish_reason: str | None = None, include_usage: bool = False) -> dict:
+          role: bool = False, finish_reason: str | None = None, include_usage: bool = False,
+          logprobs: dict | None = None) -> dict:
     """One streamed chunk of choice ``index`` (OpenAI's ``chat.completion.chunk`` or a
-    ``text_completion`` chunk), as JSON-ready dicts; ``"usage": null`` with ``include_usage``."""
+    ``text_completion`` chunk), as JSON-ready dicts; ``"usage": null`` with ``include_usage``;
+    ``logprobs``: of the tokens that came with this chunk (:func:`logprobs_json`)."""
     extra = {"usage": None} if include_usage else {}
     if chat:
         delta = Delta(role="assistant", content="") if role else (Delta(content=text) if text else Delta())
         out = ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created, model=model,
-                                  choices=[ChatChunkChoice(index=index, delta=delta, logprobs=None,
+                                  choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                            finish_reason=finish_reason)], **extra)
     else:
         out = Completion(id=request_id, object="text_completion", created=created, model=model,
-                         choices=[CompletionChoice(index=index, text=text or "", logprobs=None,
+                         choices=[CompletionChoice(index=index, text=text or "", logprobs=logprobs,
                                                    finish_reason=finish_reason)], **extra)
     return out.model_dump(exclude_unset=True)
 

@@ -171,8 +171,9 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(server):
     ({"prompt": "a", "stop": [1]}, 400, "stop", None),
     ({"prompt": "a" * 150, "max_tokens": 20}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
-    ({"prompt": "a", "logprobs": 2}, 400, "logprobs", None),
-    ({"prompt": "a", "logprobs": 0}, 400, "logprobs", None),
+    ({"prompt": "a", "logprobs": 21}, 400, "logprobs", None),
+    ({"prompt": "a", "logprobs": 2, "echo": True}, 400, "logprobs", None),
+    ({"prompt": "a", "logprobs": 2, "prompt_lookup_num_tokens": 3}, 400, "logprobs", None),
     ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ({"prompt": "a", "logit_bias": {"3": 5}}, 400, "logit_bias", None),
     ({"prompt": "a", "best_of": 3}, 400, "best_of", None),
@@ -453,3 +454,60 @@ def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open():
         ok = {"Authorization": "Bearer s3cret"}
         assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=ok).status_code == 200
         assert client.get("/v1/models", headers=ok).status_code == 200
+
+
+def _reference_logprobs(server, prompt_ids, new_ids):
+    """log_softmax of the model's logits at each new token's position, one uncached forward."""
+    ids = torch.tensor([prompt_ids + new_ids[:-1]])
+    with torch.no_grad():
+        logits = server.model(ids).logits[0, len(prompt_ids) - 1:]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_are_the_models_and_the_same_alone_or_among_concurrent_requests(server):
+    tokenizer = server.tokenizer
+
+    def completion(prompt):
+        return server.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                                logprobs=3)
+
+    def chat(prompt):
+        return server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+
+    completion("the cat")
+    alone = completion("the cat")
+    lp = alone.choices[0].logprobs
+    new = tokenizer(alone.choices[0].text, add_special_tokens=False).input_ids
+    if alone.choices[0].finish_reason == "stop":
+        new = new + [tokenizer.eos_token_id]
+    assert len(lp.tokens) == len(new) == alone.usage.completion_tokens
+    reference = _reference_logprobs(server, tokenizer("the cat", add_special_tokens=False).input_ids, new)
+    assert torch.allclose(torch.tensor(lp.token_logprobs), reference[range(len(new)), new], atol=1e-5)
+    for row, top in zip(reference, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(row.max().item(), abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+    chat("hello")  # then every later "hello" prefills only what the prefix cache lacks, as the concurrent ones do
+    chat_alone = chat("hello")
+    content = chat_alone.choices[0].logprobs.content
+    assert len(content) == chat_alone.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    # among concurrent requests (streamed too): the same tokens, logprobs equal to float rounding (a
+    # batched step's matrix products round otherwise than one row's on torch's kernels)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(completion if i % 2 else chat, "the cat" if i % 2 else "hello") for i in range(8)]
+        streamed = server.client.completions.create(model="tiny", prompt="the cat", max_tokens=12, temperature=0,
+                                                    logprobs=3, stream=True)
+        pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+        for i, future in enumerate(futures):
+            out = future.result()
+            if i % 2:
+                assert out.choices[0].logprobs.tokens == lp.tokens
+                assert out.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+                assert [list(t) for t in out.choices[0].logprobs.top_logprobs] == [list(t) for t in lp.top_logprobs]
+            else:
+                assert [c.token for c in out.choices[0].logprobs.content] == [c.token for c in content]
+                assert ([c.logprob for c in out.choices[0].logprobs.content]
+                        == pytest.approx([c.logprob for c in content], abs=1e-5))
+    assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [x for p in pieces for x in p.text_offset] == lp.text_offset
