@@ -3,7 +3,7 @@ HTTP API over it (:mod:`llm.serve.http`)."""
 
 from llm.utils.extras import require
 
-require("serve", "starlette", "uvicorn", "pydantic", "prometheus_client")
+require("serve", "starlette", "uvicorn", "pydantic", "prometheus_client", "llguidance")
 
 from llm.serve.engine import Engine, QueueFull, Sequence  # noqa: E402
 

@@ -243,7 +243,7 @@ async def _complete(request: Request, state: _State, chat: bool):
 
         try:
             sequences = served.engine.submit([(parsed.prompts[p], options) for p, options in parsed.choices],
-                                             callback, logprobs=parsed.logprobs)
+                                             callback, logprobs=parsed.logprobs, grammar=parsed.grammar)
         except ShuttingDown as err:
             raise APIError(503, str(err), code="shutting_down") from None
         except QueueFull as err:

@@ -174,10 +174,22 @@ class _Request(_Body):
 
     @field_validator("response_format")
     @classmethod
-    def _text_format(cls, value):
-        if isinstance(value, dict) and value.get("type") not in (None, "text"):
-            raise ValueError(f"is not supported by this server (got {json.dumps(value)[:80]})")
-        return value
+    def _format(cls, value):
+        """OpenAI's response_format as a JSON schema the answer must match (None: free text)."""
+        if value is None:
+            return None
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in (None, "text") and isinstance(value, dict):
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("json_schema needs {\"name\": ..., \"schema\": {a JSON schema}}")
+            return schema
+        raise ValueError(f"must be of type text, json_object or json_schema (got {json.dumps(value)[:80]})")
 
 
 def _prompt_items(prompt) -> list:
@@ -270,6 +282,8 @@ class Parsed:
         choices: per choice, (prompt index, options); choice i of prompt p has index p * n + i.
         stop: the stop strings (the text ends before the first of them).
         logprobs: with logprobs asked for, how many alternatives each token's entry lists.
+        grammar: with a ``json_object`` or ``json_schema`` response_format, the answer's grammar
+            (llguidance's, from the schema); the engine lets only tokens that keep to it through.
     """
 
     prompts: list[list[int]]
@@ -281,6 +295,7 @@ class Parsed:
     echo: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: int | None = None  # alternatives per token's logprobs entry; None: no logprobs
+    grammar: str | None = None  # llguidance's grammar of the answer (response_format); None: free text
 
 
 def _prompts(request: CompletionRequest, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
@@ -333,7 +348,8 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
             outside (0, 1], ``n`` < 1...), a prompt that with its ``max_tokens`` exceeds the
             context, token ids outside the vocabulary, or a field this server does not implement
             with a value that would matter (penalties, ``logit_bias``, ``best_of``,
-            ``suffix``, ``response_format`` other than text, a forced ``tool_choice``).
+            ``suffix``, a forced ``tool_choice``); a ``response_format`` whose schema llguidance
+            cannot compile.
     """
     try:
         request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
@@ -388,7 +404,27 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     echo = bool(not chat and request.echo)
     return Parsed(prompts, texts, choices, stop, bool(request.stream), include_usage, echo,
-                  logprobs=_logprobs(request, chat, echo))
+                  logprobs=_logprobs(request, chat, echo), grammar=_grammar(request))
+
+
+def _grammar(request) -> str | None:
+    """llguidance's grammar of the answer a response_format asks for (None: free text)."""
+    if request.response_format is None:
+        return None
+    if request.prompt_lookup_num_tokens is not None:
+        raise bad("response_format with prompt_lookup_num_tokens is not supported", "response_format")
+    from llguidance import LLMatcher
+
+    try:
+        # no whitespace beyond JSON's compact form, else a weak model may spend its tokens on it
+        grammar = LLMatcher.grammar_from_json_schema(request.response_format,
+                                                     defaults={"whitespace_flexible": False})
+        error = LLMatcher.validate_grammar(grammar)
+    except Exception as err:  # the compiler's own exceptions, by kind of schema
+        error = str(err) or type(err).__name__
+    if error:
+        raise bad(f"response_format: the JSON schema cannot be used: {error}", "response_format")
+    return grammar
 
 
 def _logprobs(request, chat: bool, echo: bool) -> int | None:
