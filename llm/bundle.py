@@ -178,7 +178,12 @@ def from_pretrained(
     if kind in LOADERS:
         model = LOADERS[kind](directory, dtype=dtype, device=device, quantization=quantization,
                               group_size=group_size, backend=backend)
-        model.generation_config = load_generation_config(name_or_path) or GenerationConfig()
+        # a registered name's recommended sampling over the file's own end and pad ids
+        defaults, own = load_generation_config(name_or_path), model.generation_config
+        if defaults is not None:
+            ids = {key: getattr(own, key) for key in ("eos_token_id", "pad_token_id")
+                   if getattr(defaults, key) is None and getattr(own, key) is not None}
+            model.generation_config = defaults.update(**ids) if ids else defaults
         return model
     if not directory.exists():
         raise FileNotFoundError(

@@ -200,6 +200,19 @@ def test_chat_answer_mentions_berlin(ours, tok):
     assert "Berlin" in tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def test_a_gguf_model_stops_at_the_files_end_of_turn_with_no_eos_given(ours, tok):
+    """The file's tokenizer.ggml.eos_token_id (<|im_end|> in SmolLM2's) is the model's eos, under the
+    registered name's sampling defaults, as llama.cpp stops there."""
+    reader = gguf_module.read_gguf(GGUF)
+    assert ours.generation_config.eos_token_id == int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    assert ours.generation_config.temperature == 0.2  # the registered defaults are kept
+    messages = [{"role": "user", "content": "What is the capital of Germany?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    out = ours.generate(ids, max_new_tokens=60, do_sample=False)
+    assert out[0, -1].item() == tok.convert_tokens_to_ids("<|im_end|>") and out.shape[1] < ids.shape[1] + 60
+    assert load_gguf(GGUF, quantization="none").generation_config.eos_token_id == tok.eos_token_id
+
+
 @needs_file
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_cli_chat_command_answers_berlin_with_its_default_sampling(capsys, seed):

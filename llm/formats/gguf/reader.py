@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from llm.config import MosaicGPTConfig
+from llm.generation.config import GenerationConfig
 from llm.model import MosaicGPT
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import QuantizationReport, int8_rows
@@ -369,7 +370,7 @@ def load_gguf(
     if quantization == "none":
         state = {name: _float(parts, reader.path) for name, parts in sources.items()}
         model.load_state_dict(state, strict=True, assign=True)
-        return model.to(device=device, dtype=dtype or torch.float32).eval()
+        return _with_generation_config(model.to(device=device, dtype=dtype or torch.float32).eval(), reader)
     owned = {f"{name}.weight" for name in projections(model)} | {"wte.weight" if model.lm_head is None else "lm_head.weight"}
     model.load_state_dict({name: _float(parts, reader.path).to(device=device, dtype=dtype or torch.float32)
                            for name, parts in sources.items() if name not in owned}, strict=False, assign=True)
@@ -380,7 +381,7 @@ def load_gguf(
     if quantization in ("int8", "int4"):
         quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
                  head=_int8_rows(sources[head + ".weight"], reader.path), backend=backend)
-        return model.eval()
+        return _with_generation_config(model.eval(), reader)
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
@@ -408,4 +409,16 @@ def load_gguf(
     report.quantized.append(head)
     model.quantization = report
     release_freed_memory()
-    return model.eval()
+    return _with_generation_config(model.eval(), reader)
+
+
+def _with_generation_config(model: MosaicGPT, reader) -> MosaicGPT:
+    """``model`` with the file's end ids as its generation config: ``tokenizer.ggml.eos_token_id``
+    and, where the file has one, its end-of-turn token (``eot_token_id``, llama.cpp's), so that
+    ``generate`` stops where llama.cpp stops; ``padding_token_id`` as the pad id."""
+    ends = [_field(reader, f"tokenizer.ggml.{key}", None) for key in ("eos_token_id", "eot_token_id")]
+    ends = list(dict.fromkeys(int(e) for e in ends if e is not None))
+    pad = _field(reader, "tokenizer.ggml.padding_token_id", None)
+    model.generation_config = GenerationConfig(eos_token_id=(ends[0] if len(ends) == 1 else ends) or None,
+                                               pad_token_id=None if pad is None else int(pad))
+    return model
