@@ -31,6 +31,19 @@ from llm.generation.sampling import Sampler
 _EXPECT_LIMIT = 8192
 
 
+def check_finite_logits(logits: torch.Tensor) -> None:
+    """Refuse logits (batch, vocab) with a NaN in a row: a model whose weights are NaN (a run
+    that diverged) or corrupt, which would otherwise decode nothing and look like an empty answer.
+    Checked once per call, at the prompt's logits (one host sync).
+
+    Raises:
+        ValueError: saying the model's output is NaN and why that happens.
+    """
+    if torch.isnan(logits).any():
+        raise ValueError("the model's logits are NaN: its weights hold NaN or are corrupt (a training run that "
+                         "diverged, e.g. with too high a learning rate, or a damaged weights file)")
+
+
 class ContextLengthWarning(UserWarning):
     """Decoding runs past the model's ``max_seq_len`` (rotary or ALiBi positions extrapolate,
     learned positions cannot and raise instead)."""
@@ -240,7 +253,9 @@ class Decoding:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         start = time.perf_counter()
-        token = self.sampler.pick(self._prefill(), self.seen)
+        logits = self._prefill()
+        check_finite_logits(logits)
+        token = self.sampler.pick(logits, self.seen)
         self.prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         chunk = self._emit(token[:, None])

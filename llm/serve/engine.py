@@ -34,7 +34,7 @@ import torch
 from llm.cache import DynamicCache
 from llm.generation.compiled import PREFILL_CHUNK, StaticDecoder
 from llm.generation.config import GenerationConfig
-from llm.generation.decoding import StopStrings, check_token_ids
+from llm.generation.decoding import StopStrings, check_finite_logits, check_token_ids
 from llm.generation.generate import start_decoding
 from llm.generation.sampling import Sampler
 from llm.serve.batch import SlotBatch
@@ -309,6 +309,7 @@ class Engine:
         sequence.eos = frozenset([eos] if isinstance(eos, int) else (eos or ()))
         sequence.stop = StopStrings(options.stop_strings, self.tokenizer) if options.stop_strings else None
         logits, layers = self._prefill(ids, cached, past)
+        check_finite_logits(logits)
         self.prefix.store(sequence.prompt, layers)
         token = int(sequence.sampler.pick(self._allowed(sequence, logits), sequence.seen)[0])
         if not self._emit(sequence, token, logits):

@@ -11,7 +11,7 @@ import torch
 from transformers import TextStreamer
 
 import llm
-from llm import Cache, DynamicCache, StaticCache
+from llm import Cache, DynamicCache, GenerationConfig, StaticCache
 from llm.data import build_char_tokenizer, load_tokenizer, save_tokenizer, train_bpe_tokenizer
 from tests.conftest import POSITION_SCHEMES, tiny_model
 from tests.test_seeds import greedy_without_cache
@@ -140,6 +140,22 @@ def test_decoding_past_a_rotary_models_context_warns_and_runs_on():
     with pytest.warns(ContextLengthWarning, match="reaches position 17, past the model's context of max_seq_len=16"):
         out = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert out.shape == (1, 18)
+
+
+@torch.no_grad()
+def test_a_model_with_nan_weights_is_refused_not_answered_with_nothing():
+    from llm.serve import Engine
+
+    model = tiny_model("rope")
+    model.blocks[0].attn.Wqkv.weight[0, 0] = float("nan")
+    ids = torch.randint(0, 61, (2, 5))
+    for options in ({"do_sample": False}, {"do_sample": True, "seed": 0}):
+        with pytest.raises(ValueError, match="the model's logits are NaN: its weights hold NaN or are corrupt"):
+            model.generate(ids, max_new_tokens=4, **options)
+    engine = Engine(model)
+    (sequence,) = engine.submit([([1, 2, 3], GenerationConfig(max_new_tokens=3))])
+    engine.step()
+    assert sequence.finish_reason == "error" and "logits are NaN" in sequence.error
 
 
 @torch.no_grad()
