@@ -61,7 +61,7 @@ def parse_body(raw: bytes) -> dict:
     """The request's JSON object.
 
     Raises:
-        APIError: 400 for a body that is not UTF-8 JSON, or not an object.
+        APIError: 400 for a body that is not UTF-8 JSON, not an object, or holds a lone surrogate.
     """
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -73,6 +73,11 @@ def parse_body(raw: bytes) -> dict:
         raise bad("the request body nests JSON too deeply") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:  # JSON's \ud800-style escapes can spell a lone UTF-16 surrogate, which no tokenizer encodes
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad(f"the request body holds a lone UTF-16 surrogate ({err.object[err.start]!r}), which is not "
+                  "a character: escape pairs must be whole (\\ud83d\\ude00)") from None
     return body
 
 

@@ -183,6 +183,8 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(server):
     ({"prompt": [5, 999], "max_tokens": 2}, 400, "prompt", None),
     (b"[" * 100000 + b"]" * 100000, 400, None, None),
     (b"\xff\xfe{}", 400, None, None),
+    (b'{"prompt": "x\\ud800y"}', 400, None, None),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, None, None),
 ])
 def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, body, status, param, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
