@@ -24,7 +24,7 @@ from llm.generation.config import GENERATION_CONFIG_FILE, GenerationConfig, load
 from llm.io import atomic_write, shape_mismatches
 from llm.quant import METHODS, QUANTIZATION_FILE, quantize, quantize_like
 from llm.quant.quantize import EMBEDDING, HEAD, check_backend, projections
-from llm.utils.pretrained import PRETRAINED, resolve
+from llm.utils.pretrained import resolve, unknown_model
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -186,13 +186,15 @@ def from_pretrained(
             model.generation_config = defaults.update(**ids) if ids else defaults
         return model
     if not directory.exists():
-        raise FileNotFoundError(
-            f"{name_or_path}: no such model folder or .gguf file, and not a registered name "
-            f"(registered: {', '.join(sorted(PRETRAINED))})"
-        )
+        raise FileNotFoundError(unknown_model(str(name_or_path)))
+    if directory.is_file():
+        raise FileNotFoundError(f"{directory} is a file but not a .gguf one: give a model folder (with "
+                                f"{CONFIG_FILE}), a .gguf file or a registered name")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
-            raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained")
+            hint = (f" (a training run's model is in {directory / 'model'})"
+                    if (directory / "model" / CONFIG_FILE).is_file() else "")
+            raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained{hint}")
     config = MosaicGPTConfig.load(directory / CONFIG_FILE)
     saved = _read_quantization(directory)
     quantization = None if quantization == "none" else quantization

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from llm.cli.common import (BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, ArgumentParser, CliError, integer,
                             load_yaml_config, set_threads)
@@ -25,7 +26,8 @@ def _parser(prog: str = "eval.py") -> argparse.ArgumentParser:
                "  llm eval configs/shakespeare.yaml --model runs/shakespeare/model eval_max_sequences=64")
     parser.add_argument("config", help="a training config (YAML)")
     parser.add_argument("--model", help="a bundle directory, .gguf file or registered name (instead of load_path=)")
-    parser.add_argument("--out", help="where to write the JSON results")
+    parser.add_argument("--out", help="where to write the JSON results (default: <save_folder>/eval.json for a "
+                                          "checkpoint, ./eval-<model name>.json for --model)")
     parser.add_argument("--quantize", choices=["none", "int8", "int4", "gguf"], help=QUANTIZE_HELP)
     parser.add_argument("--backend", choices=["auto", "llm", "torch"], default="auto", help=BACKEND_HELP)
     parser.add_argument("--threads", type=integer(), help=THREADS_HELP)
@@ -42,6 +44,11 @@ def main(argv: list[str] | None = None, prog: str = "eval.py") -> int:
         cfg = load_yaml_config(args.config, args.overrides)
         if args.model is None and not cfg.get("load_path"):
             raise CliError("give load_path=CHECKPOINT or --model DIR_OR_NAME")
+        if args.model is not None:
+            from llm.utils.pretrained import PRETRAINED, unknown_model
+
+            if not Path(args.model).exists() and args.model not in PRETRAINED:
+                raise CliError(unknown_model(args.model))
         from llm.train.evaluate import default_output, evaluate, format_table, write_report
 
         set_threads(args.threads)

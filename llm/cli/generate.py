@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
             if min(len(ids) for ids in batch) + len(prefix) == 0:
                 parser.error("a prompt is empty")
             width = max(len(ids) for ids in batch)
+            needed = len(prefix) + width + options.max_new_tokens - 1
+            if needed > model.config.max_seq_len:  # the server refuses these too
+                parser.error(f"a prompt of {len(prefix) + width} tokens + --max-new-tokens {options.max_new_tokens} "
+                             f"needs {needed} positions, more than the model's context of "
+                             f"{model.config.max_seq_len}: lower --max-new-tokens")
             # [prefix][padding][request]: the model ignores padding wherever it stands
             ids = torch.tensor([prefix + [tokenizer.pad_token_id or 0] * (width - len(b)) + b for b in batch])
             mask = torch.tensor([[1] * len(prefix) + [0] * (width - len(b)) + [1] * len(b) for b in batch])

@@ -9,6 +9,7 @@ so ``llm --help`` answers at once.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import warnings
 
@@ -57,7 +58,8 @@ def run(command: str, argv: list[str] | None = None, prog: str | None = None) ->
     """Run one command's command line (``argv``, default ``sys.argv[1:]``) as ``prog``; returns its
     exit status: 2 for a feature whose extra is not installed, 130 (the shell's code for SIGINT)
     when the user interrupts with Ctrl-C, which ends the command without a traceback (what a
-    streaming command printed stays printed). Python warnings print as one line,
+    streaming command printed stays printed); 141 (the shell's code for SIGPIPE), quietly, when
+    the reader of its output goes away (``llm generate ... | head``). Python warnings print as one line,
     ``PROG: warning: MESSAGE``."""
     from llm.utils.extras import MissingExtra
 
@@ -74,6 +76,9 @@ def run(command: str, argv: list[str] | None = None, prog: str | None = None) ->
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): stop quietly, as tools do on SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error flushing stdout at exit
+        return 141
     finally:
         warnings.showwarning = shown
 

@@ -103,11 +103,10 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     does not exist, 1 if it cannot listen or the model fails to load)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    from llm.utils.pretrained import PRETRAINED
+    from llm.utils.pretrained import PRETRAINED, unknown_model
 
     if not Path(args.model).exists() and args.model not in PRETRAINED:
-        parser.error(f"{args.model}: no such model folder or .gguf file, and not a registered name "
-                     f"(registered: {', '.join(sorted(PRETRAINED))})")
+        parser.error(unknown_model(args.model))
     # Listen before anything starts, so that a taken port or an unknown host is one line here.
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

@@ -67,12 +67,35 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     from llm.train import train
     from llm.train.run_folder import RunFolderError
 
+    cfg = config.to_dict()
     try:
-        train(config.to_dict())
+        train(cfg)
     # ConfigError: a check that needs the data or tokenizer (e.g. model.vocab_size).
     except (ConfigError, RunFolderError, PreparedDataError, DataError) as error:
         return _error(prog, str(error))
+    except (KeyboardInterrupt, SystemExit) as stop:
+        # Composer turns SIGINT and SIGTERM into sys.exit(128 + signal) (composer.core.engine)
+        code = 130 if isinstance(stop, KeyboardInterrupt) else stop.code
+        if code not in (130, 143):
+            raise
+        print(f"\n{prog}: interrupted; {_resume_hint(cfg)}", file=sys.stderr, flush=True)
+        return code
     return 0
+
+
+def _resume_hint(cfg: dict) -> str:
+    """What an interrupted run left: its newest checkpoint and how to go on, or that there is none."""
+    from pathlib import Path
+
+    from llm.train.checkpointing import newest_complete_checkpoint
+    from llm.train.trainer import CHECKPOINT_FILENAME
+
+    folder = Path(cfg["save_folder"])
+    newest = newest_complete_checkpoint(folder, CHECKPOINT_FILENAME) if folder.is_dir() else None
+    if newest is None:
+        return f"no checkpoint was saved yet (every {cfg['save_interval']}), so the run starts over when rerun"
+    how = "rerun the same command to resume from it" if cfg["autoresume"] else "resume with load_path=IT"
+    return f"the newest checkpoint is {newest}: {how}"
 
 
 if __name__ == "__main__":

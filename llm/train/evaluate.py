@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -97,7 +98,7 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
 
     from llm.train.builders import build_eval_loaders
     from llm.train.config import load_eval_config
-    from llm.train.trainer import composer_precision, evaluate_sets
+    from llm.train.trainer import composer_precision, evaluate_sets, output_is_terminal
 
     started = time.perf_counter()
     cfg = load_eval_config(cfg).to_dict()
@@ -112,9 +113,12 @@ def evaluate(cfg: Mapping | DictConfig, *, load_path: str | None = None, model: 
     batch_size = cfg.get("device_eval_batch_size") or cfg.get("global_train_batch_size") or 8
     eval_sets = build_eval_loaders(cfg["eval_loader"], data.eval, data.tokenizer, seq_len, batch_size,
                                    seed=cfg.get("seed", 17), max_sequences=cfg.get("eval_max_sequences"))
-    trainer = Trainer(model=composer_model, load_path=load_path, load_weights_only=True,
-                      precision=composer_precision(cfg.get("precision"), composer_model), seed=cfg.get("seed", 17),
-                      progress_bar=cfg.get("progress_bar", False), log_to_console=False, run_name="eval")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="No optimizer was specified")  # nothing trains here
+        trainer = Trainer(model=composer_model, load_path=load_path, load_weights_only=True,
+                          precision=composer_precision(cfg.get("precision"), composer_model), seed=cfg.get("seed", 17),
+                          progress_bar=cfg.get("progress_bar", False) and output_is_terminal(), log_to_console=False,
+                          run_name="eval")
     if quantization not in (None, "none") and model is None:
         from llm.quant import quantize
 

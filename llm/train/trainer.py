@@ -241,8 +241,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         compile_config=cfg["compile_config"],
         seed=cfg["seed"],
         # a bar redrawn with cursor escapes is noise in a log file: there, one console line per interval
-        progress_bar=cfg["progress_bar"] and _terminal(),
-        log_to_console=cfg["log_to_console"] or (cfg["progress_bar"] and not _terminal()),
+        progress_bar=cfg["progress_bar"] and output_is_terminal(),
+        log_to_console=cfg["log_to_console"] or (cfg["progress_bar"] and not output_is_terminal()),
         console_log_interval=cfg["console_log_interval"],
         save_folder=str(save_folder),
         save_filename=CHECKPOINT_FILENAME,
@@ -259,7 +259,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     return trainer, eval_sets
 
 
-def _terminal() -> bool:
+def output_is_terminal() -> bool:
     """Whether the run's output goes to a terminal (both stdout and stderr)."""
     return sys.stdout.isatty() and sys.stderr.isatty()
 

@@ -38,6 +38,12 @@ PRETRAINED = {
 }
 
 
+def unknown_model(name: str) -> str:
+    """The one-line error for a model that is neither a path nor a registered name."""
+    return (f"{name}: no such model folder or .gguf file, and not a registered name "
+            f"(registered: {', '.join(sorted(PRETRAINED))})")
+
+
 def pretrained_path(name: str) -> Path:
     """Where ``llm fetch NAME`` puts a registered model's file: ``$LLM_HOME/models/NAME/FILE`` (it
     may not be there yet).

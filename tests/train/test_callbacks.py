@@ -96,7 +96,7 @@ def test_the_progress_bar_is_drawn_on_a_terminal_and_logged_as_lines_elsewhere(s
         seen.update(kwargs)
         raise Stop
 
-    monkeypatch.setattr(trainer_module, "_terminal", lambda: terminal)
+    monkeypatch.setattr(trainer_module, "output_is_terminal", lambda: terminal)
     monkeypatch.setattr(trainer_module, "Trainer", fake_trainer)
     with pytest.raises(Stop):
         trainer_module.build_trainer(dict(cfg, progress_bar=True, log_to_console=False), data)

@@ -373,3 +373,18 @@ def test_cli_a_missing_dataset_folder_is_one_line_naming_the_current_folder(tmp_
     assert err == (f"train.py: error: no folder nowhere/data (relative to the current folder {tmp_path}): "
                    "prepare one with `llm prepare`\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_an_interrupted_run_says_what_it_left(config_file, tmp_path, monkeypatch, capsys):
+    import llm.train
+
+    def interrupted(cfg):
+        raise SystemExit(130)  # what Composer's SIGINT handler does
+
+    monkeypatch.setattr(llm.train, "train", interrupted)
+    assert main([str(config_file), f"save_folder={tmp_path / 'run'}", "save_interval=5ba"]) == 130
+    assert capsys.readouterr().err == ("\ntrain.py: interrupted; no checkpoint was saved yet (every 5ba), so the run "
+                                       "starts over when rerun\n")
+    monkeypatch.setattr(llm.train, "train", lambda cfg: (_ for _ in ()).throw(SystemExit(3)))
+    with pytest.raises(SystemExit):
+        main([str(config_file)])
