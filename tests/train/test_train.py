@@ -110,7 +110,9 @@ def test_data_that_does_not_fit_is_refused_before_anything_is_written(tiny_cfg, 
             "char": {"local": str(tiny_data), "proportion": 0.5}, "bpe": {"local": str(bpe_data), "proportion": 0.5}}}}},
          r"streams 'char' .* and 'bpe' .* different tokenizers"),
         # a folder that was never prepared, or a split it does not hold
-        ({"eval_loader": {"name": "text", "dataset": {"local": str(tmp_path / "nothing")}}}, "llm_data.json"),
+        ({"eval_loader": {"name": "text", "dataset": {"local": str(tmp_path / "nothing")}}},
+         "no folder .*nothing: prepare one with `llm prepare`"),
+        ({"eval_loader": {"name": "text", "dataset": {"local": str(tmp_path)}}}, "no llm_data.json in .*not a prepared"),
         ({"eval_loader": {"name": "text", "dataset": {"local": str(tiny_data), "split": "test"}}},
          r"has no 'test' split; it holds \['train', 'validation'\]"),
         # sequences longer than the prepared rows
