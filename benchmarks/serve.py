@@ -1,7 +1,8 @@
 """Load on an OpenAI-compatible server: 1, 4 and 16 concurrent clients on a fixed set of chat prompts.
 
 Starts ``scripts/serve.py`` (and, when the peers' environment of ``make bench-peers`` exists,
-``llama-cpp-python``'s OpenAI server on the same GGUF file), sends every prompt through
+``llama-cpp-python``'s OpenAI server and llama.cpp's own ``llama-server`` with ``--parallel N``
+continuous batching, on the same GGUF file), sends every prompt through
 ``/v1/chat/completions`` with ``stream: true`` (greedy, so every run decodes the same tokens), and
 prints per server and concurrency: aggregate output tokens/s, time to first token p50/p95 and
 request latency p50/p95, and the throughput against the same requests sent one after another.
@@ -26,6 +27,7 @@ import httpx
 from llm.utils.pretrained import registered_path
 
 PEERS_PYTHON = Path(".venv-peers/bin/python")  # made by `make bench-peers` in the checkout's root
+LLAMA_SERVER = Path(".venv-peers/llama.cpp/bin/llama-server")  # made by `make llama-tools`
 
 #: Real questions of different lengths and answers (the same for every server and run).
 PROMPTS = [
@@ -124,7 +126,10 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
             results.append(await _one(client, url, model, queue.get_nowait(), max_tokens))
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients + 4)) as client:
+    # a connection per request: llama-server closes idle keep-alive connections, which a reused one
+    # would meet as "Server disconnected" (on localhost a new connection costs well under a millisecond)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
     wall = time.perf_counter() - start
     ttft = [r["ttft"] for r in results]
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="", help="more flags for scripts/serve.py, e.g. '--quantize gguf'")
     p.add_argument("--peer", choices=["auto", "yes", "no"], default="auto",
                    help="llama-cpp-python's server on the same GGUF file (auto: when `make bench-peers` built it)")
+    p.add_argument("--llama-server", choices=["auto", "yes", "no"], default="auto",
+                   help="also measure llama.cpp's llama-server (--parallel N) from `make llama-tools` (auto: if built)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     if 1 not in args.concurrency:
@@ -208,6 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["llama-cpp-python"] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
                                                   max_tokens=args.max_tokens, rounds=args.rounds)
+        finally:
+            server.stop()
+
+    if args.llama_server == "yes" or (args.llama_server == "auto" and LLAMA_SERVER.is_file()):
+        port = _free_port()
+        gguf = registered_path(args.model) if not str(args.model).endswith(".gguf") else Path(args.model)
+        slots = max(args.concurrency)
+        # continuous batching over `slots` sequences; the context is shared among them
+        peer = [str(LLAMA_SERVER), "-m", str(gguf), "--alias", args.model, "-t", str(args.threads),
+                "--parallel", str(slots), "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port)]
+        print("llama-server: starting", file=sys.stderr, flush=True)
+        server = ServerProcess(peer, port, "/health")
+        try:
+            results["llama-server"] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
+                                              max_tokens=args.max_tokens, rounds=args.rounds)
         finally:
             server.stop()
 

@@ -145,9 +145,11 @@ def composer_precision(precision: str | None, model) -> str | None:
     """Composer's precision for a run's ``precision`` (after :func:`run_precision`); ``amp_bf16``
     on a CPU (which Composer refuses) becomes our own autocast of ``model``'s forward
     (``model.autocast_dtype``, a :class:`~llm.train.composer_model.ComposerMosaicGPT`) under
-    Composer's fp32."""
+    Composer's fp32, saying so once on stderr."""
     precision = run_precision(precision)
     if precision == "amp_bf16" and cpu_run():
+        _say_once("precision: amp_bf16 (the forward autocast to bfloat16 on the CPU; weights, optimizer and loss "
+                  "in float32; Composer's own log says fp32)")
         model.autocast_dtype = torch.bfloat16
         return "fp32"
     return precision
