@@ -50,7 +50,8 @@ def assert_transformers_equal(model, directory, ids):
         torch.testing.assert_close(cached, ours[:, -3:], atol=1e-4, rtol=0)
         theirs = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     eos = hf.generation_config.eos_token_id  # the exported generation config's, which both stop at
-    ours = model.generate(ids, max_new_tokens=12, eos_token_id=eos)
+    # greedy: a registered model's generation config samples (its recommended settings)
+    ours = model.generate(ids, max_new_tokens=12, eos_token_id=eos, do_sample=False)
     # Greedy tokens of two float32 implementations may differ where the top two logits tie to the
     # last bits (which depends on the threads a busy machine gives them): each one's every token
     # must be the other's argmax up to such a tie.

@@ -16,6 +16,7 @@ from llm import DynamicCache, MosaicGPT
 from llm.formats import gguf_tokenizer, load_gguf, load_tokenizer
 from llm.formats.gguf import reader as gguf_module
 from llm.utils.gguf import _reader_class
+from llm.utils.gguf import field as read_field
 from llm.utils.pretrained import REPO_ROOT
 from llm.utils.pretrained import pretrained_path
 
@@ -421,6 +422,8 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
         assert (mine.data, mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
         assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
     assert ours.fields["tok.strings"].contents() == extra["tok.strings"]
+    for key, value in extra.items():  # field() reads a whole array without making its parts
+        assert read_field(ours, key) == read_field(stock, key) == value, key
 
 
 def _resident_kb(path) -> int:

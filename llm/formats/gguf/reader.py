@@ -123,6 +123,9 @@ def _dequantizable(qtype) -> bool:
 
 
 _DEQUANTIZE_ROWS = 4096
+# Rows of a vocabulary-sized table dequantized at a time on the way to int8: the float block and
+# its temporaries (gguf's dequantization, then int8_rows') are the load's peak beyond the model.
+_HEAD_ROWS = 512
 
 
 def _dequantize(tensor, path, rows: slice | None = None) -> torch.Tensor:
@@ -241,8 +244,8 @@ def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
     rows = int(tensor.shape[-1])
     codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
     scales = torch.empty(rows, dtype=torch.float32)
-    for start in range(0, rows, _DEQUANTIZE_ROWS):
-        block = slice(start, start + _DEQUANTIZE_ROWS)
+    for start in range(0, rows, _HEAD_ROWS):
+        block = slice(start, start + _HEAD_ROWS)
         codes[block], scales[block] = int8_rows(_dequantize(tensor, path, block))
     return codes, scales
 
