@@ -27,3 +27,39 @@ def test_repetition_penalty_matches_transformers():
     ours = Sampler(GenerationConfig(repetition_penalty=1.3)).scores(logits, seen)
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(previous, logits.clone())
     torch.testing.assert_close(ours, theirs)
+
+
+def test_top_p_keeps_transformers_nucleus_over_large_vocabularies():
+    # the nucleus is searched among the largest logits first (256, then 16x more): flat rows need
+    # more than 256 tokens, peaked ones a few; in one batch each row must keep its own nucleus,
+    # exactly the tokens transformers' TopPLogitsWarper (a full sort) keeps
+    from transformers import TopPLogitsWarper
+
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (50, 300, 49152):
+        for scale in (0.01, 1.0, 8.0):
+            logits = torch.randn(3, vocab, generator=generator) * torch.tensor([[scale], [1.0], [20.0]])
+            for top_p in (0.1, 0.5, 0.9, 0.999):
+                ours = torch.isfinite(filter_logits(logits, top_p=top_p))
+                theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+                assert torch.equal(ours, theirs), (vocab, scale, top_p)
+                assert ours.any(-1).all()
+
+
+def test_draws_follow_the_distribution_and_never_pick_impossible_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    sampler = Sampler(GenerationConfig(do_sample=True), torch.Generator().manual_seed(1))
+    draws = torch.stack([sampler.draw(probs) for _ in range(4000)])
+    counts = torch.bincount(draws[:, 0], minlength=6) / len(draws)
+    assert counts[[0, 2, 5]].sum() == 0 and (draws[:, 1] == 5).all()
+    torch.testing.assert_close(counts[[1, 3, 4]], probs[0, [1, 3, 4]], atol=0.03, rtol=0)
+    # a uniform draw times the row's total can round up to the total: the last possible token
+    original = torch.rand
+    torch.rand = lambda *a, **k: torch.ones(a[0], 1, dtype=torch.float64)
+    try:
+        assert sampler.draw(probs * 7).tolist() == [4, 5]
+    finally:
+        torch.rand = original
+    # the same seed gives the same draws
+    again = Sampler(GenerationConfig(do_sample=True), torch.Generator().manual_seed(1))
+    assert torch.equal(torch.stack([again.draw(probs) for _ in range(4000)]), draws)
