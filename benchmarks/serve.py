@@ -1,12 +1,19 @@
-"""Load on an OpenAI-compatible server: 1, 4 and 16 concurrent clients on a fixed set of chat prompts.
+"""Load on an OpenAI-compatible server: 1, 4, 16 and 32 concurrent clients on a fixed mix of chat prompts.
 
 Starts ``scripts/serve.py`` (and, when the peers' environment of ``make bench-peers`` exists,
 ``llama-cpp-python``'s OpenAI server and llama.cpp's own ``llama-server`` with ``--parallel N``
 continuous batching, on the same GGUF file), sends every prompt through
 ``/v1/chat/completions`` with ``stream: true`` (greedy, so every run decodes the same tokens), and
-prints per server and concurrency: aggregate output tokens/s, time to first token p50/p95 and
-request latency p50/p95, and the throughput against the same requests sent one after another.
-The servers take turns (one runs while the other is stopped), so each has the machine alone.
+prints per server and concurrency: aggregate output tokens/s, time to first token p50/p95, time
+between tokens p50/p95 (the gaps between a stream's chunks, over every stream), and the throughput
+against the same requests sent one after another. The mix is short chat turns and a few long
+prompts (a passage to summarize, ~300 tokens), as a chat service sees; a level of N clients sends
+at least 2N requests, so that clients that finish ask again and requests join a running batch.
+
+Then batch invariance: a greedy request with ``logprobs`` alone, and the same request among 15
+others sent at once; whether its tokens and log probabilities are bit-identical (the largest
+difference otherwise). The servers take turns (one runs while the other is stopped), so each has
+the machine alone.
 """
 
 from __future__ import annotations
@@ -48,6 +55,28 @@ PROMPTS = [
     "Explain what a prime number is, with examples.",
     "Tell me a fun fact about octopuses.",
 ]
+
+PASSAGE = (
+    "Bread is one of the oldest prepared foods. Evidence from thirty thousand years ago in Europe shows starch "
+    "residue on rocks used for pounding plants, and it is possible that during this time starch extract from the "
+    "roots of plants was spread on a flat rock, placed over a fire and cooked into a primitive form of flatbread. "
+    "Around ten thousand years ago, with the dawn of the Neolithic age and the spread of agriculture, grains became "
+    "the mainstay of making bread. Yeast spores occur everywhere, including on the surface of cereal grains, so any "
+    "dough left to rest will become naturally leavened. There were multiple sources of leavening available for "
+    "early bread. Airborne yeasts could be harnessed by leaving uncooked dough exposed to air for some time before "
+    "cooking. Pliny the Elder reported that the Gauls and Iberians used the foam skimmed from beer to produce a "
+    "lighter kind of bread than other peoples. Parts of the ancient world that drank wine instead of beer used a "
+    "paste composed of grape juice and flour that was allowed to begin fermenting, or wheat bran steeped in wine, "
+    "as a source for yeast. The most common source of leavening was to retain a piece of dough from the previous "
+    "day to utilize as a form of sourdough starter. In the nineteenth century the Chorleywood process and other "
+    "industrial methods changed how most bread was made, replacing long fermentation with intense mechanical "
+    "working of the dough, and bakers today debate which gives the better loaf, the faster bread or the older, "
+    "slower one that many small bakeries have returned to."
+)
+#: A few long prompts among the short ones.
+LONG_PROMPTS = [f"Summarize this text in three sentences:\n\n{PASSAGE}",
+                f"List the sources of leavening this text mentions:\n\n{PASSAGE}"]
+MIX = PROMPTS[:8] + LONG_PROMPTS[:1] + PROMPTS[8:] + LONG_PROMPTS[1:]
 
 
 def _free_port() -> int:
@@ -95,7 +124,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens, pieces = None, None, 0
+    first, tokens, pieces, last, gaps = None, None, 0, None, []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -108,11 +137,15 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
             for choice in data.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
                     pieces += 1
+                    now = time.perf_counter()
                     if first is None:
-                        first = time.perf_counter() - start
+                        first = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
     latency = time.perf_counter() - start
     return {"ttft": first if first is not None else latency, "latency": latency,
-            "tokens": tokens if tokens is not None else pieces}
+            "tokens": tokens if tokens is not None else pieces, "gaps": gaps}
 
 
 async def _load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
@@ -134,18 +167,23 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
     wall = time.perf_counter() - start
     ttft = [r["ttft"] for r in results]
     latency = [r["latency"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]] or [0.0]
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "ttft_p50": _percentile(ttft, 50), "ttft_p95": _percentile(ttft, 95),
+            "tbt_p50": _percentile(gaps, 50), "tbt_p95": _percentile(gaps, 95),
             "latency_p50": _percentile(latency, 50), "latency_p95": _percentile(latency, 95)}
 
 
 def measure(url: str, model: str, *, concurrency: tuple[int, ...], max_tokens: int, rounds: int) -> list[dict]:
-    """Every concurrency level over the prompts (``rounds`` times each), after one warm-up request."""
+    """Every concurrency level over the mix (``rounds`` times, and at least twice the clients'
+    number of requests), after one warm-up request."""
     asyncio.run(_load(url, model, PROMPTS[:1], 1, 8))
     rows = []
     for clients in concurrency:
-        rows.append(asyncio.run(_load(url, model, PROMPTS * rounds, clients, max_tokens)))
+        count = max(len(MIX) * rounds, 2 * clients)
+        prompts = [MIX[i % len(MIX)] for i in range(count)]
+        rows.append(asyncio.run(_load(url, model, prompts, clients, max_tokens)))
         print(f"  {clients:>2} clients: {rows[-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     sequential = next(r for r in rows if r["clients"] == 1)["tokens_per_s"]
     for row in rows:
@@ -155,13 +193,42 @@ def measure(url: str, model: str, *, concurrency: tuple[int, ...], max_tokens: i
 
 def table(results: dict[str, list[dict]]) -> str:
     lines = ["| server | clients | output tokens/s | vs one after another | TTFT p50 / p95 (s) | "
-             "latency p50 / p95 (s) |", "|---|---|---|---|---|---|"]
+             "time between tokens p50 / p95 (ms) |", "|---|---|---|---|---|---|"]
     for name, rows in results.items():
         for r in rows:
             lines.append(f"| {name} | {r['clients']} | {r['tokens_per_s']:.1f} | {r['vs_sequential']:.2f}x | "
-                         f"{r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | {r['latency_p50']:.2f} / "
-                         f"{r['latency_p95']:.2f} |")
+                         f"{r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | {1e3 * r['tbt_p50']:.0f} / "
+                         f"{1e3 * r['tbt_p95']:.0f} |")
     return "\n".join(lines)
+
+
+async def _logprobs(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int):
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    r = await client.post(url + "/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]!r}")
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [c["logprob"] for c in content]
+
+
+def invariance(url: str, model: str, max_tokens: int, trials: int = 3) -> dict:
+    """A greedy request's tokens and logprobs alone and among 15 other requests sent at once."""
+    async def run():
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            alone = await _logprobs(client, url, model, PROMPTS[0], max_tokens)
+            same_tokens, identical, largest = True, True, 0.0
+            for trial in range(trials):
+                others = [MIX[(1 + trial + i) % len(MIX)] for i in range(15)]
+                together = await asyncio.gather(*(_logprobs(client, url, model, p, max_tokens)
+                                                  for p in [*others[:7 + trial], PROMPTS[0], *others[7 + trial:]]))
+                tokens, logprobs = together[7 + trial]
+                same_tokens &= tokens == alone[0]
+                identical &= tokens == alone[0] and logprobs == alone[1]
+                largest = max([largest, *(abs(a - b) for a, b in zip(logprobs, alone[1]))])
+            return {"same_tokens": same_tokens, "bit_identical": identical, "largest_logprob_difference": largest}
+    return asyncio.run(run())
 
 
 def _peer_available() -> bool:
@@ -177,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2,
                    help="times each client level sends the whole prompt set (2: clients that finish ask again, so "
                         "requests join a running batch)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--serve-args", default="", help="more flags for scripts/serve.py, e.g. '--quantize gguf'")
     p.add_argument("--peer", choices=["auto", "yes", "no"], default="auto",
@@ -189,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 not in args.concurrency:
         p.error("--concurrency must include 1: the other levels are measured against it")
 
-    results = {}
+    results, checks = {}, {}
     port = _free_port()
     serve = [sys.executable, "scripts/serve.py", "--model", args.model, "--port", str(port), "--threads",
              str(args.threads), "--max-batch-size", str(max(args.concurrency)), "--log-level", "warning",
@@ -200,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results[name] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
                                 max_tokens=args.max_tokens, rounds=args.rounds)
+        checks[name] = invariance(server.url, args.model, args.max_tokens)
     finally:
         server.stop()
 
@@ -230,12 +298,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["llama-server"] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
                                               max_tokens=args.max_tokens, rounds=args.rounds)
+            checks["llama-server"] = invariance(server.url, args.model, args.max_tokens)
         finally:
             server.stop()
 
     print(table(results))
+    print("\n| server | a greedy request among 15 others: same tokens | bit-identical logprobs | largest difference |")
+    print("|---|---|---|---|")
+    for name, c in checks.items():
+        print(f"| {name} | {'yes' if c['same_tokens'] else 'no'} | {'yes' if c['bit_identical'] else 'no'} | "
+              f"{c['largest_logprob_difference']:.2g} |")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps({"load": results, "invariance": checks}, indent=2))
     return 0
 
 

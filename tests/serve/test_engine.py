@@ -119,3 +119,43 @@ def test_compiled_steps_decode_as_eager_generate_with_a_graph_per_batch_shape(co
     assert counter.frame_count <= 4
     again = drive(engine, requests(10, seed=4))
     assert counter.frame_count <= 4 and all(s.finish_reason in ("stop", "length") for s in again)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("quantization,kv_n_heads", [("int4", 1), ("int8", 2), ("int4", 4)])
+def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantization, kv_n_heads):
+    # batch invariance: a greedy request's logprobs (the model's log-softmax) are the same bits
+    # whatever joins or leaves the batch around it, whether its prompt came from the prefix cache
+    # or not, and whatever slot count and buffer layout the batch has when it decodes
+    model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, vocab_size=97, max_seq_len=256,
+                       quantization=quantization, kernels="llm", seed=kv_n_heads)
+    rng = random.Random(kv_n_heads)
+    shared = [rng.randrange(97) for _ in range(12)]  # a common system prompt: prefix-cache hits
+    reqs = []
+    for i in range(16):
+        head = shared if i % 3 else []
+        prompt = head + [rng.randrange(97) for _ in range(rng.randrange(1, 50))]
+        reqs.append((prompt, GenerationConfig(max_new_tokens=rng.randrange(4, 30), do_sample=False, eos_token_id=7)))
+
+    def logprobs(sequences):
+        return [(s.tokens, [lp for _, lp, _ in s.token_logprobs]) for s in sequences]
+
+    alone_runs = []
+    for prompt, options in reqs:
+        engine = Engine(model, max_batch_size=1, prefix_cache_tokens=0)
+        sequence = engine.submit([(prompt, options)], logprobs=2)
+        while engine.step():
+            pass
+        alone_runs += logprobs(sequence)
+    for join_every, prefix_tokens in ((1, 4096), (3, 0), (5, 4096)):
+        engine = Engine(model, max_batch_size=8, prefix_cache_tokens=prefix_tokens)
+        sequences = []
+        for start in range(0, len(reqs), 3):
+            sequences += engine.submit(reqs[start:start + 3], logprobs=2)
+            for _ in range(join_every):
+                engine.step()
+        while engine.step():
+            pass
+        assert logprobs(sequences) == alone_runs
+        if prefix_tokens:
+            assert any(s.cached_tokens for s in sequences)

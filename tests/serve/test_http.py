@@ -29,13 +29,15 @@ MAX_SEQ_LEN = 160
 class Server:
     """A uvicorn server on a thread, serving a tiny model; ``engine`` and ``model`` for the checks."""
 
-    def __init__(self):
-        self.tokenizer = build_char_tokenizer(string.ascii_lowercase + " .,?\n<>")
-        self.tokenizer.chat_template = TEMPLATE
-        self.model = tiny_model("llama", vocab_size=len(self.tokenizer), max_seq_len=MAX_SEQ_LEN)
+    def __init__(self, model=None, tokenizer=None, name="tiny", max_batch_size=4):
+        if model is None:
+            tokenizer = build_char_tokenizer(string.ascii_lowercase + " .,?\n<>")
+            tokenizer.chat_template = TEMPLATE
+            model = tiny_model("llama", vocab_size=len(tokenizer), max_seq_len=MAX_SEQ_LEN)
+        self.model, self.tokenizer = model, tokenizer
         self.defaults = GenerationConfig(do_sample=True, temperature=1.0, eos_token_id=self.tokenizer.eos_token_id)
-        self.engine = Engine(self.model, self.tokenizer, max_batch_size=4, max_queue=16)
-        served = Served(self.engine.start(), self.tokenizer, "tiny", self.defaults, MAX_SEQ_LEN)
+        self.engine = Engine(self.model, self.tokenizer, max_batch_size=max_batch_size, max_queue=64)
+        served = Served(self.engine.start(), self.tokenizer, name, self.defaults, model.config.max_seq_len)
         config = uvicorn.Config(create_app(lambda: served), host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -513,6 +515,40 @@ def test_logprobs_are_the_models_and_the_same_alone_or_among_concurrent_requests
                         == pytest.approx([c.logprob for c in content], abs=1e-5))
     assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
     assert [x for p in pieces for x in p.text_offset] == lp.text_offset
+
+
+def test_on_the_fast_path_a_greedy_answer_is_bit_identical_alone_and_among_16(cpu_kernels):
+    # SmolLM2's GGUF as `llm serve` runs it (its own 4-bit blocks on our kernels): the same request's
+    # tokens and logprobs, to the bit, alone and among 15 others sent at once, streamed or not
+    from llm import MosaicGPT
+    from llm.data.tokenizer import load_tokenizer
+    from llm.utils.pretrained import pretrained_path
+
+    if not pretrained_path("smollm2-135m-instruct").is_file():
+        pytest.skip("SmolLM2 is fetched by make install (llm fetch smollm2-135m-instruct)")
+    server = Server(MosaicGPT.from_pretrained("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct"),
+                    "smollm2", max_batch_size=16)
+    questions = ["What is the capital of France?", "Name three colours.", "Why do cats purr?", "Count to five.",
+                 "What is tea?", "Say hello in Spanish.", "Is the sun a star?", "What do bees make?"]
+    try:
+        def chat(question, stream=False):
+            out = server.client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0,
+                logprobs=True, top_logprobs=2, stream=stream)
+            content = [c for chunk in out for c in (chunk.choices[0].logprobs.content if chunk.choices and
+                                                   chunk.choices[0].logprobs else [])] if stream else out.choices[0].logprobs.content
+            return [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content]
+
+        alone = chat(questions[0])
+        assert len(alone) == 16 or alone[-1][0] == "<|im_end|>"
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(chat, questions[i % len(questions)], i % 4 == 1) for i in range(16)]
+            together = [f.result() for f in futures]
+        for i in range(0, 16, len(questions)):
+            assert together[i] == alone
+        assert together[1] == chat(questions[1])
+    finally:
+        server.close()
 
 
 def test_a_json_schema_response_format_gives_json_that_matches_it(server):
