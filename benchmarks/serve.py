@@ -120,9 +120,10 @@ class ServerProcess:
         self.log.close()
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+               extra: dict | None = None) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     first, tokens, pieces, last, gaps = None, None, 0, None, []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -148,7 +149,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
             "tokens": tokens if tokens is not None else pieces, "gaps": gaps}
 
 
-async def _load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> dict:
+async def _load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int,
+                extra: dict | None = None) -> dict:
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -156,7 +158,7 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
 
     async def client_loop(client):
         while not queue.empty():
-            results.append(await _one(client, url, model, queue.get_nowait(), max_tokens))
+            results.append(await _one(client, url, model, queue.get_nowait(), max_tokens, extra))
 
     start = time.perf_counter()
     # a connection per request: llama-server closes idle keep-alive connections, which a reused one
@@ -200,6 +202,24 @@ def table(results: dict[str, list[dict]]) -> str:
                          f"{r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | {1e3 * r['tbt_p50']:.0f} / "
                          f"{1e3 * r['tbt_p95']:.0f} |")
     return "\n".join(lines)
+
+
+#: Copy-heavy requests (an answer that repeats much of its prompt), where prompt-lookup drafts pay.
+EDITS = [f"Repeat this text word for word, but write 'loaf' wherever it says 'bread':\n\n{PASSAGE}",
+         f"Copy the following text exactly, then stop:\n\n{PASSAGE}"]
+
+
+def speculation(url: str, model: str, max_tokens: int = 128, lookup: int = 5) -> list[dict]:
+    """Output tokens/s on :data:`EDITS` with and without prompt-lookup speculation
+    (``prompt_lookup_num_tokens``, greedy: the same tokens), 1 and 4 clients."""
+    rows = []
+    for clients in (1, 4):
+        prompts = [EDITS[i % len(EDITS)] for i in range(2 * clients)]
+        plain = asyncio.run(_load(url, model, prompts, clients, max_tokens))
+        drafted = asyncio.run(_load(url, model, prompts, clients, max_tokens, {"prompt_lookup_num_tokens": lookup}))
+        rows.append({"clients": clients, "plain": plain["tokens_per_s"], "speculative": drafted["tokens_per_s"],
+                     "speedup": drafted["tokens_per_s"] / plain["tokens_per_s"]})
+    return rows
 
 
 async def _logprobs(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int):
@@ -258,16 +278,18 @@ def main(argv: list[str] | None = None) -> int:
 
     results, checks = {}, {}
     port = _free_port()
+    # the same room for computed prompts as llama-server's context (--parallel N -c N*1024, below)
     serve = [sys.executable, "scripts/serve.py", "--model", args.model, "--port", str(port), "--threads",
              str(args.threads), "--max-batch-size", str(max(args.concurrency)), "--log-level", "warning",
-             *args.serve_args.split()]
-    name = "llm" + (f" ({args.serve_args})" if args.serve_args else "")
+             "--prefix-cache-tokens", str(max(args.concurrency) * 1024), *args.serve_args.split()]
+    name = ours = "llm" + (f" ({args.serve_args})" if args.serve_args else "")
     print(f"{name}: starting", file=sys.stderr, flush=True)
     server = ServerProcess(serve, port, "/health")
     try:
         results[name] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
                                 max_tokens=args.max_tokens, rounds=args.rounds)
         checks[name] = invariance(server.url, args.model, args.max_tokens)
+        drafts = speculation(server.url, args.model)
     finally:
         server.stop()
 
@@ -308,8 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, c in checks.items():
         print(f"| {name} | {'yes' if c['same_tokens'] else 'no'} | {'yes' if c['bit_identical'] else 'no'} | "
               f"{c['largest_logprob_difference']:.2g} |")
+    print(f"\n{ours}, copy-heavy requests (EDITS: a ~300-token passage repeated with an edit), greedy, 128 new "
+          f"tokens at most:\n")
+    print("| clients | output tokens/s | with prompt-lookup drafts (5 tokens) | speed-up |")
+    print("|---|---|---|---|")
+    for r in drafts:
+        print(f"| {r['clients']} | {r['plain']:.1f} | {r['speculative']:.1f} | {r['speedup']:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps({"load": results, "invariance": checks}, indent=2))
+        args.json.write_text(json.dumps({"load": results, "invariance": checks, "speculation": drafts}, indent=2))
     return 0
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from llm.cache import tokenizer_digest
 from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.generation.config import GENERATION_CONFIG_FILE, GenerationConfig, load_generation_config
 from llm.io import atomic_write, shape_mismatches
@@ -35,6 +36,8 @@ WEIGHTS_FILE = "model.safetensors"
 LOADERS: dict[str, Callable[..., Any]] = {}
 #: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
 WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
+#: The weights' metadata key of the digest of the tokenizer saved with them (:func:`llm.cache.tokenizer_digest`).
+TOKENIZER_DIGEST_KEY = "llm.tokenizer_sha256"
 
 
 def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -116,6 +119,8 @@ def save_pretrained(model, directory: str | os.PathLike, tokenizer=None,
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in weights_to_save(model).items()}
     metadata = {"format": "pt", WEIGHTS_DIGEST_KEY: weights_digest(state)}
+    if tokenizer is not None:  # so that a tokenizer put in the folder later is known not to be it
+        metadata[TOKENIZER_DIGEST_KEY] = tokenizer_digest(tokenizer)
     atomic_write(directory / CONFIG_FILE, model.config.save)
     atomic_write(directory / WEIGHTS_FILE, lambda path: save_file(state, path, metadata=metadata))
     if model.quantization is not None:
@@ -164,7 +169,8 @@ def from_pretrained(
         FileNotFoundError: if the directory, its config or its weights are missing, or the
             GGUF file is (for a registered name: run ``llm fetch NAME``).
         ValueError: if the weights are unreadable (e.g. truncated) or do not fit the config,
-            naming the file and the tensors that did not fit; if ``generation_config.json``
+            naming the file and the tensors that did not fit; if a weight holds NaN or
+            infinity (:func:`check_finite_weights`); if ``generation_config.json``
             is not a valid generation config (naming it); an unknown ``quantization``, or one
             that contradicts a quantized bundle's, or ``"gguf"`` for a bundle; a bad
             ``backend`` (or ``"llm"`` where our kernels cannot run); for a GGUF
@@ -184,6 +190,7 @@ def from_pretrained(
             ids = {key: getattr(own, key) for key in ("eos_token_id", "pad_token_id")
                    if getattr(defaults, key) is None and getattr(own, key) is not None}
             model.generation_config = defaults.update(**ids) if ids else defaults
+        check_finite_weights(model, directory)
         return model
     if not directory.exists():
         raise FileNotFoundError(unknown_model(str(name_or_path)))
@@ -209,6 +216,7 @@ def from_pretrained(
     try:
         with safe_open(str(weights_path), framework="pt") as weights:
             stored_digest = (weights.metadata() or {}).get(WEIGHTS_DIGEST_KEY)
+            saved_tokenizer = (weights.metadata() or {}).get(TOKENIZER_DIGEST_KEY)
             names = set(weights.keys())
             if saved is None and quantization is None:
                 state = {name: weights.get_tensor(name) for name in names}
@@ -230,7 +238,21 @@ def from_pretrained(
     # the weights when first asked)
     if stored_digest is not None and quantization is None and dtype is None:
         remember_digest(model, stored_digest)
+    check_finite_weights(model, weights_path)
+    model.tokenizer_digest = saved_tokenizer
     return model
+
+
+def check_finite_weights(model, source: str | os.PathLike) -> None:
+    """Raise ValueError naming the first floating-point weight of ``model`` (parameters and
+    buffers: a quantized layer's scales too) that holds NaN or infinity, and where it came from:
+    a diverged training run or a corrupt file would otherwise answer with nothing or garbage.
+    One pass over the float tensors (some 30 ms for 135M float32 weights)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.device.type != "meta" and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: weight {name} holds {bad} NaN or infinite value(s) of {tensor.numel()}: the "
+                             f"file is corrupt, or the training that wrote it diverged (a NaN loss)")
 
 
 def _read_quantization(directory: Path) -> dict | None:

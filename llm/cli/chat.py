@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     import torch
 
     from llm.cache import DynamicCache
-    from llm.data.tokenizer import load_tokenizer
+    from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
     from llm.generation.generate import stream
     from llm.model import MosaicGPT
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                           quantization=args.quantize, backend=args.backend)
         tokenizer = load_tokenizer(args.model)
+        check_tokenizer_fits(tokenizer, model, args.model)
         if not tokenizer.chat_template:
             parser.error(f"the tokenizer of {args.model} has no chat template")
         overrides = {"max_new_tokens": args.max_new_tokens}

@@ -17,7 +17,7 @@ import torch
 from llm.cache import Cache, DynamicCache
 from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 from llm.generation.config import load_generation_config
-from llm.data.tokenizer import load_tokenizer
+from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize,
                                           backend=args.backend)
         tokenizer = load_tokenizer(args.model)
+        check_tokenizer_fits(tokenizer, model, args.model)
         draft = None
         if args.speculative == "draft":
             draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype,

@@ -35,6 +35,9 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=integer(0), default=4096,
                    help="positions of computed prompts kept for reuse by later prompts that start with them "
                         "(least recently used evicted; 0: off; default 4096)")
+    p.add_argument("--chunked-prefill-size", type=integer(), default=256,
+                   help="the most prompt tokens prefilled between two decoding steps: a longer prompt is prefilled "
+                        "in chunks, so it delays the running answers by one chunk's time (default 256)")
     add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
     p.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
@@ -75,7 +78,7 @@ def loader(args):
         import torch
 
         from llm.generation.config import load_generation_config
-        from llm.data.tokenizer import load_tokenizer
+        from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
         from llm.generation.config import GenerationConfig
         from llm.model import MosaicGPT
         from llm.serve.engine import Engine
@@ -85,12 +88,14 @@ def loader(args):
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                           quantization=args.quantize, backend=args.backend)
         tokenizer = load_tokenizer(args.model)
+        check_tokenizer_fits(tokenizer, model, args.model)
         # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
         if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:
             defaults = defaults.update(eos_token_id=tokenizer.eos_token_id)
         engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-                        prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile).start()
+                        prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile,
+                        prefill_chunk=args.chunked_prefill_size).start()
         logging.getLogger("llm.serve").info("serving %s (%s parameters)", args.served_model_name or args.model,
                                             f"{model.num_parameters():,}")  # quantized weights are buffers
         return Served(engine, tokenizer, args.served_model_name or args.model, defaults, model.config.max_seq_len)

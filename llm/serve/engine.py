@@ -3,9 +3,13 @@
 Requests join the running batch at step boundaries and leave when they finish (Orca's
 iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's continuous batching):
 
-- a joining request's prompt is prefilled alone (only the part after the longest cached prefix,
-  :class:`~llm.serve.prefix.PrefixCache`), its first token sampled from that prefill's logits,
-  and its keys and values copied into a free slot of the :class:`~llm.serve.batch.SlotBatch`;
+- a joining request's prompt is prefilled (only the part after the longest cached prefix,
+  :class:`~llm.serve.prefix.PrefixCache`) in chunks mixed with the batch's steps (chunked prefill,
+  as Sarathi-Serve and vLLM): each engine step prefills at most ``prefill_chunk`` prompt tokens
+  before the batch's decoding step, so a long prompt arriving delays the running rows' next
+  tokens by one chunk's time, not its whole prefill; a prompt that fits in a chunk is never cut.
+  Its first token is sampled from the last chunk's logits, and its keys and values copied into a
+  free slot of the :class:`~llm.serve.batch.SlotBatch`;
 - each step then feeds every row's last token in one forward; each row samples from its own
   logits with its own :class:`~llm.generation.sampling.Sampler` and random generator, and stops
   on its own eos, stop strings or ``max_new_tokens``. A row's tokens are those of the same
@@ -88,6 +92,8 @@ class Sequence:
     stop: StopStrings | None = None
     decoding: object = None
     decoding_steps: object = None
+    prefill_cache: object = None  # the prompt's cache while it is prefilled chunk by chunk
+    prefilled: int = 0  # prompt positions in prefill_cache
 
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop decoding this sequence (a client gone; ``reason="shutdown"``: the server stops):
@@ -108,15 +114,22 @@ class Engine:
         prefix_cache_tokens: positions the prefix cache may hold (0: no prefix caching).
         compile: run prefill and the batch's step through ``torch.compile``
             (:mod:`llm.generation.compiled`; one graph per slot count and buffer capacity).
+        prefill_chunk: the most prompt tokens prefilled per engine step (uncompiled); longer
+            prompts take several steps. On our kernels chunking changes no bit of the logits
+            (:mod:`tests.quant.test_invariance`).
 
     Raises:
-        ValueError: for a max_batch_size or max_queue below 1, or a negative prefix_cache_tokens.
+        ValueError: for a max_batch_size, max_queue or prefill_chunk below 1, or a negative
+            prefix_cache_tokens.
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, max_queue: int = 64,
-                 prefix_cache_tokens: int = 4096, compile: bool = False):
-        if max_batch_size < 1 or max_queue < 1:
-            raise ValueError(f"max_batch_size and max_queue must be >= 1, got {max_batch_size} and {max_queue}")
+                 prefix_cache_tokens: int = 4096, compile: bool = False, prefill_chunk: int = 256):
+        if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch_size, max_queue and prefill_chunk must be >= 1, got {max_batch_size}, "
+                             f"{max_queue} and {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: list[Sequence] = []
         self.model, self.tokenizer, self.compile = model, tokenizer, compile
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.batch = SlotBatch(model, max_batch_size, compile=compile)
@@ -206,7 +219,7 @@ class Engine:
         and running sequence at the next step with finish_reason "shutdown" (any thread)."""
         with self._work:
             self._refusing = True
-            for sequence in [*self._waiting, *self.solo, *(s for s in self.batch.rows if s is not None)]:
+            for sequence in [*self._waiting, *self.solo, *self.prefilling, *(s for s in self.batch.rows if s is not None)]:
                 sequence.cancel("shutdown")
             self._work.notify()
 
@@ -216,7 +229,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self.batch) + len(self.solo)
+        return len(self.batch) + len(self.solo) + len(self.prefilling)
 
     # -- the loop (the engine's thread) -----------------------------------------------------
     def start(self) -> "Engine":
@@ -242,11 +255,13 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """One iteration: drop cancelled sequences, admit waiting ones while slots are free (each
-        prefilled, its first token emitted), then one token for every batch row and one step of
-        each reference-decoding row. Returns whether there was anything to do (False: idle)."""
+        """One iteration: drop cancelled sequences, admit waiting ones while slots are free, prefill
+        up to ``prefill_chunk`` of their prompt tokens (a prompt done: its first token emitted, its
+        row joins the batch), then one token for every batch row and one step of each
+        reference-decoding row. Returns whether there was anything to do (False: idle)."""
         self._drop_cancelled()
         admitted = self._admit()
+        self._prefill_some()
         if len(self.batch):
             self._decode_batch()
         for sequence in list(self.solo):
@@ -264,9 +279,10 @@ class Engine:
             if sequence is not None and sequence.cancelled:
                 self.batch.leave(slot)
                 gone.append(sequence)
-        for sequence in [s for s in self.solo if s.cancelled]:
-            self.solo.remove(sequence)
-            gone.append(sequence)
+        for queue in (self.solo, self.prefilling):
+            for sequence in [s for s in queue if s.cancelled]:
+                queue.remove(sequence)
+                gone.append(sequence)
         self.batch.shrink()
         for sequence in gone:
             sequence.finish_reason = sequence.cancelled
@@ -290,8 +306,9 @@ class Engine:
     def _start(self, sequence: Sequence) -> None:
         options, model = sequence.options, self.model
         ids = torch.tensor([sequence.prompt], device=model.device)
-        cached, past = self.prefix.lookup(sequence.prompt)
-        sequence.cached_tokens = cached
+        if options.prompt_lookup_num_tokens is not None or self.compile:
+            cached, past = self.prefix.lookup(sequence.prompt)
+            sequence.cached_tokens = cached
         if options.prompt_lookup_num_tokens is not None:
             sequence.decoding = start_decoding(model, ids, options, past_key_values=past, tokenizer=self.tokenizer,
                                                compile=self.compile)
@@ -308,26 +325,58 @@ class Engine:
         eos = options.eos_token_id
         sequence.eos = frozenset([eos] if isinstance(eos, int) else (eos or ()))
         sequence.stop = StopStrings(options.stop_strings, self.tokenizer) if options.stop_strings else None
-        logits, layers = self._prefill(ids, cached, past)
+        if self.compile:  # the whole prompt at once, through the compiled prefill's fixed chunks
+            length = ids.shape[1]
+            end = cached + -(-(length - cached) // PREFILL_CHUNK) * PREFILL_CHUNK
+            mask = torch.ones_like(ids, dtype=torch.bool)
+            decoder = StaticDecoder(model, mask, end, past, compile=True)
+            logits = decoder.prefill(ids[:, cached:], mask, torch.tensor([length - 1], device=ids.device))
+            self._prefilled(sequence, logits, layers_of(decoder.cache, length))
+            return
+        self.prefilling.append(sequence)  # its prefix-cache lookup waits for its first chunk
+
+    def _prefill_some(self) -> None:
+        """Prefill the admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all: a
+        prompt's rest that fits in a chunk is prefilled whole or waits for the next step, a longer
+        rest takes what the step has left."""
+        budget = self.prefill_chunk
+        for sequence in list(self.prefilling):
+            if budget <= 0:
+                break
+            if sequence.prefill_cache is None:  # now: a prompt prefilled just before may share its prefix
+                sequence.cached_tokens, past = self.prefix.lookup(sequence.prompt)
+                sequence.prefill_cache = past if past is not None else DynamicCache()
+                sequence.prefilled = sequence.cached_tokens
+            left = len(sequence.prompt) - sequence.prefilled
+            if left > budget and left <= self.prefill_chunk:
+                continue
+            count = min(left, budget)
+            start = sequence.prefilled
+            try:
+                ids = torch.tensor([sequence.prompt[start:start + count]], device=self.model.device)
+                out = self.model(input_ids=ids, past_key_values=sequence.prefill_cache, use_cache=True,
+                                 logits_to_keep=1)
+                sequence.prefilled += count
+                budget -= count
+                if sequence.prefilled == len(sequence.prompt):
+                    self.prefilling.remove(sequence)
+                    cache, sequence.prefill_cache = sequence.prefill_cache, None
+                    self._prefilled(sequence, out.logits[:, -1], layers_of(cache, len(sequence.prompt)))
+            except Exception as err:  # one bad request must not stop the others
+                log.exception("request %d failed at prefill", sequence.id)
+                if sequence in self.prefilling:
+                    self.prefilling.remove(sequence)
+                sequence.prefill_cache = None
+                self._fail(sequence, err)
+
+    def _prefilled(self, sequence: Sequence, logits: torch.Tensor, layers: list) -> None:
+        """A prompt is in ``layers``: keep it in the prefix cache, emit its first token (from
+        ``logits``, (1, vocab)) and, unless that ends it, join the batch."""
         check_finite_logits(logits)
         self.prefix.store(sequence.prompt, layers)
         token = int(sequence.sampler.pick(self._allowed(sequence, logits), sequence.seen)[0])
         if not self._emit(sequence, token, logits):
             self.batch.join(sequence, layers)
-
-    def _prefill(self, ids: torch.Tensor, cached: int, past) -> tuple[torch.Tensor, list]:
-        """Run prompt positions cached.. (after ``past``); return the (1, vocab) logits of its last
-        token and the whole prompt's keys and values per layer."""
-        length = ids.shape[1]
-        if self.compile:
-            end = cached + -(-(length - cached) // PREFILL_CHUNK) * PREFILL_CHUNK
-            mask = torch.ones_like(ids, dtype=torch.bool)
-            decoder = StaticDecoder(self.model, mask, end, past, compile=True)
-            logits = decoder.prefill(ids[:, cached:], mask, torch.tensor([length - 1], device=ids.device))
-            return logits, layers_of(decoder.cache, length)
-        cache = past if past is not None else DynamicCache()
-        out = self.model(input_ids=ids[:, cached:], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], layers_of(cache, length)
 
     def _decode_batch(self) -> None:
         try:

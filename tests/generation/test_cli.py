@@ -260,3 +260,46 @@ def test_the_cli_records_no_autograd(bundle, capsys):
     finally:
         hook.remove()
     assert modes and not any(modes)
+
+
+def _one_line_error(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_non_finite_weights_are_refused_at_load_naming_the_tensor(bundle, capsys, tmp_path):
+    # a diverged run (or a corrupt file) saved NaN weights: an error, not the prompt and nothing
+    path, model, tokenizer = bundle
+    broken = tiny_model("alibi", vocab_size=len(tokenizer))
+    with torch.no_grad():
+        broken.blocks[1].ffn.down_proj.weight[3, 5] = float("nan")
+        broken.norm_f.weight[0] = float("inf")
+    broken.save_pretrained(tmp_path / "nan", tokenizer=tokenizer)
+    err = _one_line_error(capsys, "--model", tmp_path / "nan", "--prompt", "the")
+    assert "blocks.1.ffn.down_proj.weight holds 1 NaN or infinite value(s)" in err and "diverged" in err
+    with pytest.raises(ValueError, match="norm_f.weight holds 1 NaN"):
+        from llm import MosaicGPT
+        broken.blocks[1].ffn.down_proj.weight.data[3, 5] = 0.0
+        broken.save_pretrained(tmp_path / "inf", tokenizer=tokenizer)
+        MosaicGPT.from_pretrained(tmp_path / "inf")
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused(bundle, capsys, tmp_path):
+    import shutil
+
+    path, model, tokenizer = bundle
+    folder = tmp_path / "swapped"
+    shutil.copytree(path, folder)
+    # another char tokenizer of the same size: saved over the model's, it would give garbage
+    build_char_tokenizer(string.ascii_uppercase + " .,\n").save_pretrained(str(folder))
+    assert "is not the one saved with its weights" in _one_line_error(capsys, "--model", folder, "--prompt", "A")
+    # a model saved without its tokenizer: a tokenizer with more tokens than its vocabulary
+    model.save_pretrained(tmp_path / "bare")
+    build_char_tokenizer(string.printable).save_pretrained(str(tmp_path / "bare"))
+    err = _one_line_error(capsys, "--model", tmp_path / "bare", "--prompt", "a")
+    assert f"has {len(string.printable) + 2} tokens, more than the model's vocabulary of {len(tokenizer)}" in err
+    # the model's own tokenizer passes, saved and loaded back
+    assert "the" in run(capsys, "--model", path, "--prompt", "the", "--max-new-tokens", "2").out

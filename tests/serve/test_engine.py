@@ -126,7 +126,8 @@ def test_compiled_steps_decode_as_eager_generate_with_a_graph_per_batch_shape(co
 def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantization, kv_n_heads):
     # batch invariance: a greedy request's logprobs (the model's log-softmax) are the same bits
     # whatever joins or leaves the batch around it, whether its prompt came from the prefix cache
-    # or not, and whatever slot count and buffer layout the batch has when it decodes
+    # or not, in how many chunks it was prefilled, and whatever slot count and buffer layout the
+    # batch has when it decodes
     model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, vocab_size=97, max_seq_len=256,
                        quantization=quantization, kernels="llm", seed=kv_n_heads)
     rng = random.Random(kv_n_heads)
@@ -147,8 +148,8 @@ def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantizatio
         while engine.step():
             pass
         alone_runs += logprobs(sequence)
-    for join_every, prefix_tokens in ((1, 4096), (3, 0), (5, 4096)):
-        engine = Engine(model, max_batch_size=8, prefix_cache_tokens=prefix_tokens)
+    for join_every, prefix_tokens, chunk in ((1, 4096, 256), (3, 0, 7), (5, 4096, 16)):
+        engine = Engine(model, max_batch_size=8, prefix_cache_tokens=prefix_tokens, prefill_chunk=chunk)
         sequences = []
         for start in range(0, len(reqs), 3):
             sequences += engine.submit(reqs[start:start + 3], logprobs=2)
@@ -159,3 +160,41 @@ def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantizatio
         assert logprobs(sequences) == alone_runs
         if prefix_tokens:
             assert any(s.cached_tokens for s in sequences)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes():
+    # chunked prefill: no step runs more than prefill_chunk prompt tokens, the running rows get a
+    # token at every step while a long prompt arrives, and every answer is still the one alone
+    model = tiny_model("llama", max_seq_len=256)
+    short = ([5, 6, 7], GenerationConfig(max_new_tokens=40, do_sample=False))
+    long = (list(range(1, 50)) * 3, GenerationConfig(max_new_tokens=5, do_sample=False))
+    engine = Engine(model, max_batch_size=4, prefill_chunk=16)
+    sizes = []
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[0] == 1:
+            sizes.append(ids.shape[1])
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        first = engine.submit([short])[0]
+        engine.step()
+        before = len(first.tokens)
+        second = engine.submit([long])[0]
+        steps = 0
+        while not second.tokens:
+            engine.step()
+            steps += 1
+        assert steps == -(-len(long[0]) // 16) and len(first.tokens) == before + steps
+        while engine.step():
+            pass
+    finally:
+        del model.forward
+    assert max(sizes) <= 16
+    for (prompt, options), sequence in ((short, first), (long, second)):
+        assert sequence.tokens == alone(model, prompt, options)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(model, prefill_chunk=0)

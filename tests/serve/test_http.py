@@ -36,7 +36,7 @@ class Server:
             model = tiny_model("llama", vocab_size=len(tokenizer), max_seq_len=MAX_SEQ_LEN)
         self.model, self.tokenizer = model, tokenizer
         self.defaults = GenerationConfig(do_sample=True, temperature=1.0, eos_token_id=self.tokenizer.eos_token_id)
-        self.engine = Engine(self.model, self.tokenizer, max_batch_size=max_batch_size, max_queue=64)
+        self.engine = Engine(self.model, self.tokenizer, max_batch_size=max_batch_size, max_queue=16)
         served = Served(self.engine.start(), self.tokenizer, name, self.defaults, model.config.max_seq_len)
         config = uvicorn.Config(create_app(lambda: served), host="127.0.0.1", port=0, log_level="warning")
         self.server = uvicorn.Server(config)
