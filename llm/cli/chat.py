@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     import torch
 
     from llm.cache import DynamicCache
-    from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
+    from llm.bundle import check_tokenizer_fits
+    from llm.data.tokenizer import load_tokenizer
     from llm.generation.generate import stream
     from llm.model import MosaicGPT
 

@@ -17,7 +17,8 @@ import torch
 from llm.cache import Cache, DynamicCache
 from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 from llm.generation.config import load_generation_config
-from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
+from llm.bundle import check_tokenizer_fits
+from llm.data.tokenizer import load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT

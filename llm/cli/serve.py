@@ -78,7 +78,8 @@ def loader(args):
         import torch
 
         from llm.generation.config import load_generation_config
-        from llm.data.tokenizer import check_tokenizer_fits, load_tokenizer
+        from llm.bundle import check_tokenizer_fits
+        from llm.data.tokenizer import load_tokenizer
         from llm.generation.config import GenerationConfig
         from llm.model import MosaicGPT
         from llm.serve.engine import Engine

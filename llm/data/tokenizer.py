@@ -148,31 +148,6 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def check_tokenizer_fits(tokenizer: PreTrainedTokenizerFast, model, name: str) -> None:
-    """Raise DataError (a ValueError) when ``tokenizer`` is not ``model``'s (``name``: how the
-    user named it): it was saved with the model (``model.tokenizer_digest``, written by
-    ``save_pretrained(tokenizer=...)``) and this one's :func:`~llm.cache.tokenizer_digest`
-    differs, or it makes ids past the model's vocabulary (more tokens than the model has rows,
-    or a special token beyond them). A smaller tokenizer can be the model's (vocabularies padded
-    to a multiple of 64, as GPT-2's)."""
-    from llm.cache import tokenizer_digest
-
-    vocab_size = model.config.vocab_size
-    saved = getattr(model, "tokenizer_digest", None)
-    if saved is not None and tokenizer_digest(tokenizer) != saved:
-        raise DataError(f"the tokenizer in {name} is not the one saved with its weights (another tokenizer copied "
-                        f"into the folder?): its token ids would mean other text to the model")
-    size = len(tokenizer)
-    if size > vocab_size:
-        raise DataError(f"the tokenizer of {name} has {size} tokens, more than the model's vocabulary of "
-                        f"{vocab_size}: it is not this model's tokenizer")
-    for role in _SPECIAL_ROLES:
-        index = getattr(tokenizer, role + "_id", None)
-        if index is not None and not 0 <= index < vocab_size:
-            raise DataError(f"the tokenizer of {name} gives its {role} the id {index}, outside the model's "
-                            f"vocabulary of {vocab_size}: it is not this model's tokenizer")
-
-
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | os.PathLike) -> None:
     """Save `tokenizer` to `directory` (created if needed) in Hugging Face format."""
     tokenizer.save_pretrained(str(directory))
