@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     from llm.data.prepare import DataError
     from llm.data.streaming import PreparedDataError
     from llm.train import train
+    from llm.train.callbacks import NonFiniteLossError
     from llm.train.run_folder import RunFolderError
 
     cfg = config.to_dict()
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     # ConfigError: a check that needs the data or tokenizer (e.g. model.vocab_size).
     except (ConfigError, RunFolderError, PreparedDataError, DataError) as error:
         return _error(prog, str(error))
+    except NonFiniteLossError as error:
+        print(f"{prog}: error: {_one_line(error)}; {_resume_hint(cfg)}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, SystemExit) as stop:
         # Composer turns SIGINT and SIGTERM into sys.exit(128 + signal) (composer.core.engine)
         code = 130 if isinstance(stop, KeyboardInterrupt) else stop.code

@@ -7,6 +7,9 @@
   of Composer's checkpoints (``state_dict``), so a resumed run's plot covers the whole run.
 * :class:`ConfigSaver` writes the run's resolved config to ``<folder>/config.yaml`` when ``fit``
   starts.
+* :class:`StopOnNonFiniteLoss` ends the run with :class:`NonFiniteLossError` at the first batch
+  whose loss is NaN or infinite, before that batch's optimizer step and checkpoint, so nothing
+  NaN is saved.
 
 Both write on global rank 0 only, to a temporary file renamed into place.
 """
@@ -29,6 +32,34 @@ from llm.io import atomic_write
 CURVES_PNG = "curves.png"
 CURVES_JSON = "curves.json"
 CONFIG_YAML = "config.yaml"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite (a diverged run): raised by :class:`StopOnNonFiniteLoss`."""
+
+
+class StopOnNonFiniteLoss(Callback):
+    """Stop training at the first batch whose loss is not finite, naming the batch and the loss.
+
+    Checked after the loss (``AFTER_LOSS``), before backward, the optimizer step and any
+    checkpoint of the batch, so the weights, checkpoints, metrics and model bundle the run leaves
+    are all from before it diverged. The flag is reduced over ranks (max), so that every rank
+    stops at the same batch under DDP."""
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        import torch
+
+        losses = state.loss.values() if isinstance(state.loss, dict) else (
+            state.loss if isinstance(state.loss, (list, tuple)) else [state.loss])
+        values = [torch.as_tensor(v).detach() for v in losses]
+        bad = torch.tensor([float(not all(bool(torch.isfinite(v).all()) for v in values))])
+        dist.all_reduce(bad, reduce_operation="MAX")
+        if bad.item():
+            shown = ", ".join(f"{float(v.float().mean()):g}" for v in values)
+            raise NonFiniteLossError(
+                f"the training loss is not finite ({shown}) at batch {int(state.timestamp.batch) + 1}: the run "
+                f"diverged (a learning rate too high for the model, or bad data?); training stopped before this "
+                f"batch's update, so its checkpoints hold no NaN")
 
 
 def _replace_file(path: Path, write) -> None:

@@ -60,7 +60,7 @@ from llm.train.builders import (
     run_data,
     token_counting_data_spec,
 )
-from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter
+from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter, StopOnNonFiniteLoss
 from llm.train.checkpointing import (
     adopt_earlier_checkpoints,
     check_checkpoint,
@@ -254,7 +254,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         load_path=cfg["load_path"],
         autoresume=cfg["autoresume"],
         parallelism_config=cfg["parallelism_config"],
-        callbacks=[CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
+        callbacks=[StopOnNonFiniteLoss(), CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
                    SpeedMonitor(window_size=10, gpu_flops_available=peak_flops(cfg)), *callbacks],
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)

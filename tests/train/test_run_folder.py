@@ -243,3 +243,23 @@ def test_falling_back_past_a_corrupt_checkpoint_is_said(tmp_path, capsys):
     _checkpoints(tmp_path / "fallback", [2], corrupt=[2])
     repair_latest_checkpoint(tmp_path / "fallback", fallback="start.pt")
     assert "the run starts from start.pt" in capsys.readouterr().err
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_loss_and_saves_nothing_nan(tiny_data, tmp_path, capsys):
+    # optimizer.lr = 1e30 makes the loss NaN or infinite within a few batches: one line naming the
+    # batch and the newest checkpoint, exit 1, and every checkpoint it left is finite
+    folder = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    cfg = tiny_config(tiny_data, folder, save_interval="1ba", algorithms={})
+    cfg["optimizer"]["lr"] = 1.0e30
+    config.write_text(yaml.safe_dump(cfg))
+    assert train_main([str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("train.py: error: the training loss is not finite (") and "at batch " in err
+    assert "the newest checkpoint is" in err or "no checkpoint was saved yet" in err
+    assert not (folder / "model").exists() and not (folder / METRICS_FILE).exists()
+    checkpoints = list(folder.glob("ep*-ba*-rank0.pt"))
+    assert checkpoints  # the batches before it diverged were saved
+    for checkpoint in checkpoints:
+        weights = torch.load(checkpoint, weights_only=False)["state"]["model"]
+        assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()), checkpoint
