@@ -110,9 +110,16 @@ def _name(path: Path, base: Path) -> str:
     return Path(os.path.relpath(path, base)).as_posix()
 
 
+def _not_regular(path: Path) -> DataError:
+    return DataError(f"input {path} is not a regular file (a FIFO, socket or device, which could block "
+                     f"preparation forever or change between reads): give files or folders of files")
+
+
 def _expand(path: Path, base: Path, fmt: str) -> list[Source]:
     if path.is_file():
         return [Source(path, _name(path, base), _file_format(path, fmt))]
+    if not path.is_dir():
+        raise _not_regular(path)
     sources = []
     for folder, dirs, files in os.walk(path):
         folder = Path(folder)
@@ -124,6 +131,8 @@ def _expand(path: Path, base: Path, fmt: str) -> list[Source]:
         for file in sorted(f for f in files if not f.startswith(".")):
             kind = EXTENSIONS.get(Path(file).suffix.lower())
             if kind is not None and fmt in ("auto", kind):
+                if not (folder / file).is_file():
+                    raise _not_regular(folder / file)
                 sources.append(Source(folder / file, _name(folder / file, base), kind))
     if not sources:
         wanted = "Hugging Face dataset folders" if fmt == "hf" else "files with extensions " + ", ".join(
@@ -230,6 +239,9 @@ def _not_utf8(path: Path, data: bytes, offset: int, error: UnicodeDecodeError) -
                      "decode invalid bytes as U+FFFD (counted in the statistics)")
 
 
+_BOM = "\ufeff".encode("utf-8")
+
+
 def _decode(data: bytes, path: Path, offset: int, errors: str) -> tuple[str, int]:
     if errors == "strict":
         try:
@@ -245,6 +257,10 @@ def _lines(path: Path, errors: str) -> Iterator[tuple[str, int]]:
     """The lines of a file without their "\\n", each with its count of replaced sequences."""
     offset = 0
     with open(path, "rb") as f:
+        if f.read(3) == _BOM:  # a UTF-8 byte order mark marks the encoding; it is not text
+            offset = len(_BOM)
+        else:
+            f.seek(0)
         # Whole lines, about a block at a time, decoded together: much faster than line by line.
         while raw_lines := f.readlines(_BLOCK_BYTES):
             data = b"".join(raw_lines)
@@ -269,7 +285,9 @@ def _lines(path: Path, errors: str) -> Iterator[tuple[str, int]]:
 def _text_units(path: Path, mode: str, errors: str) -> Iterator[tuple[str, int]]:
     if mode == "file":
         with open(path, "rb") as f:
-            yield _decode(f.read(), path, 0, errors)
+            data = f.read()
+        skip = len(_BOM) if data.startswith(_BOM) else 0  # a byte order mark is not text
+        yield _decode(data[skip:], path, skip, errors)
         return
     paragraph, replaced = [], 0
     for line, n in _lines(path, errors):
@@ -304,6 +322,12 @@ def _jsonl_units(path: Path, field: str, errors: str) -> Iterator[tuple[str, int
                        else f"has {type(text).__name__}, not a string, in the field {field!r}")
             raise DataError(f"{path}, line {number}: record {problem} (its keys: {sorted(record)}); "
                             "pass --text-field to name the field that holds the text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape of half a UTF-16 pair ("\ud800") is no character
+            raise DataError(f"{path}, line {number}: the field {field!r} holds a lone UTF-16 surrogate "
+                            f"({text[e.start]!r} at character {e.start}), which is not a character; fix the "
+                            "JSON escapes (a pair such as \\ud83d\\ude00 is one character)") from None
         yield text, n
 
 

@@ -193,3 +193,37 @@ def test_bad_inputs(tmp_path):
         texts_of([write(tmp_path / "broken.parquet", b"not parquet")])
     with pytest.raises(DataError, match="--split-documents must be one of file, blank-line, line"):
         texts_of([tmp_path / "a.txt"], split_documents="para")
+
+
+def test_a_byte_order_mark_is_not_text_in_any_split_mode(tmp_path):
+    paras = paragraphs("hamlet", 3)
+    text = "\n\n".join(paras) + "\n"
+    write(tmp_path / "bom.txt", b"\xef\xbb\xbf" + text.encode("utf-8"))
+    write(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + "".join(json.dumps({"text": p}) + "\n" for p in paras).encode())
+    assert texts_of([tmp_path / "bom.txt"]) == [text]
+    assert texts_of([tmp_path / "bom.txt"], split_documents="blank-line") == paras
+    assert texts_of([tmp_path / "bom.txt"], split_documents="line")[0] == paras[0].split("\n")[0]
+    assert texts_of([tmp_path / "bom.jsonl"]) == paras
+    # a later bad byte is still reported at its offset in the file
+    write(tmp_path / "bad.txt", b"\xef\xbb\xbfab\xffc")
+    with pytest.raises(DataError, match="byte offset 5"):
+        texts_of([tmp_path / "bad.txt"])
+
+
+def test_a_fifo_is_refused_not_read_forever(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    write(tmp_path / "corpus" / "a.txt", "some text\n")
+    os.mkfifo(tmp_path / "corpus" / "b.txt")
+    for spec in (tmp_path / "pipe.txt", tmp_path / "corpus"):
+        with pytest.raises(DataError, match=r"is not a regular file \(a FIFO"):
+            resolve_inputs([spec])
+
+
+def test_a_lone_surrogate_in_json_is_named_by_file_and_line(tmp_path):
+    write(tmp_path / "s.jsonl", '{"text": "fine"}\n{"text": "x\\ud800y"}\n{"text": "\\ud83d\\ude00 ok"}\n')
+    with pytest.raises(DataError, match=r"s.jsonl, line 2: the field 'text' holds a lone UTF-16 surrogate"):
+        texts_of([tmp_path / "s.jsonl"])
+    write(tmp_path / "ok.jsonl", '{"text": "\\ud83d\\ude00 ok"}\n')
+    assert texts_of([tmp_path / "ok.jsonl"]) == ["\U0001F600 ok"]
