@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -39,6 +40,40 @@ class Cache:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._lengths: list[int] = []
+        #: the identity (:meth:`~llm.model.MosaicGPT.identity`) of the model whose keys and values
+        #: this holds, when known without its model: read from a file, or met another model
+        self.model_identity: str | None = None
+        self._owner: weakref.ref | None = None  # the model that filled it, while it lives
+
+    # -- the model the cache belongs to -----------------------------------------------------
+    def claim(self, model) -> None:
+        """Stamp the cache with ``model`` (called by every forward that takes it): a cache holds
+        one model's keys and values, so a forward by another model raises, with no argument to
+        remember. The model that filled it costs one comparison per forward; another model's
+        identity (its weights hashed once, :meth:`~llm.model.MosaicGPT.identity`) is computed only
+        when it meets a cache stamped by something else.
+
+        Raises:
+            ValueError: the cache holds positions made by a model of another identity (config
+                and weights), naming both.
+        """
+        owner = self._owner() if self._owner is not None else None
+        if owner is model:
+            return
+        stamp = self.model_identity or (owner.identity() if owner is not None else None)
+        if stamp is not None and self.get_seq_length() > 0:
+            identity = model.identity()
+            if identity != stamp:
+                raise ValueError(f"past_key_values holds the keys and values of another model (identity "
+                                 f"{stamp[:12]}, this model's {identity[:12]}): a cache serves the model that "
+                                 f"filled it; start a new one")
+            self.model_identity = stamp
+        self._owner = weakref.ref(model)
+
+    def _stamp(self) -> str | None:
+        """The identity of the model that filled the cache, if known."""
+        owner = self._owner() if self._owner is not None else None
+        return self.model_identity or (owner.identity() if owner is not None else None)
 
     # -- the interface the model uses -------------------------------------------------------
     def update(
@@ -199,6 +234,7 @@ class Cache:
         other._values = [v.clone() for v in self._values]
         other._lengths = list(self._lengths)
         other.metadata = dict(self.metadata)
+        other.model_identity, other._owner = self.model_identity, self._owner
         return other
 
     # -- iteration and the legacy tuple format ---------------------------------------------
@@ -246,7 +282,8 @@ class Cache:
             metadata: plain ints, floats, strings, lists and dicts (e.g. the token ids the cache
                 holds), stored alongside; they come back as :attr:`metadata` from :meth:`load`.
             model: the model that made the cache: its :meth:`~llm.model.MosaicGPT.identity` is
-                recorded, for :meth:`load` to refuse the file for any other model.
+                recorded, for :meth:`load` to refuse the file for any other model (default: the
+                model that filled it, whose stamp the file keeps either way).
             tokenizer: the tokenizer of the cached token ids: its :func:`tokenizer_digest` is
                 recorded, for :meth:`load` to refuse the file for another tokenizer.
         """
@@ -255,7 +292,7 @@ class Cache:
             "metadata": metadata or {},
             "class": type(self).__name__,
             "max_cache_len": self.get_max_length(),
-            "model_identity": model.identity() if model is not None else None,
+            "model_identity": model.identity() if model is not None else self._stamp(),
             "tokenizer": tokenizer_digest(tokenizer) if tokenizer is not None else None,
             "keys": [k.contiguous() for k, _ in self],
             "values": [v.contiguous() for _, v in self],
@@ -307,6 +344,7 @@ class Cache:
         for i, (k, v) in enumerate(zip(state["keys"], state["values"])):
             cache.update(k, v, i)
         cache.metadata = state["metadata"]
+        cache.model_identity = state.get("model_identity")  # its first forward checks it
         return cache
 
     # -- storage, specialised by subclasses ------------------------------------------------------

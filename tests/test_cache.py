@@ -112,11 +112,38 @@ def test_a_cache_from_another_model_of_the_same_shape_is_refused(tmp_path):
     assert tiny_model("rope", rope_theta=500.0).identity() != a.identity()
     assert tiny_model("rope", attn_impl="sdpa").identity() == a.identity()
 
-    # a file saved without model= (as before identities were recorded) is unknown: refused
-    prefilled(a, DynamicCache(), ids).save(tmp_path / "anonymous.cache")
+    # a cache no model filled (built from tensors) records no identity: unknown, refused
+    Cache.from_legacy(prefilled(a, DynamicCache(), ids).to_legacy()).save(tmp_path / "anonymous.cache")
     with pytest.raises(ValueError, match="it records no model identity"):
         Cache.load(tmp_path / "anonymous.cache", model=a)
     assert Cache.load(tmp_path / "anonymous.cache").get_seq_length() == 8  # unchecked without model=
+
+
+@torch.no_grad()
+def test_a_cache_is_stamped_by_the_model_that_fills_it(tmp_path):
+    # with no argument to remember: another model's forward over it raises, in memory, after a
+    # copy, and after a save and load without model=; the same weights (a copy of the model) pass
+    import copy
+
+    a, b = twins()
+    ids = torch.randint(0, 61, (1, 8))
+    cache = prefilled(a, DynamicCache(), ids)
+    for other in (cache, cache.copy()):
+        with pytest.raises(ValueError, match=f"another model \\(identity {a.identity()[:12]}, this model's "
+                                             f"{b.identity()[:12]}\\)"):
+            b(ids[:, :1], past_key_values=other)
+    copy.deepcopy(a)(ids[:, :1], past_key_values=cache.copy())
+    cache.save(tmp_path / "a.cache")  # no model=: the filling model's stamp is kept
+    loaded = Cache.load(tmp_path / "a.cache")
+    with pytest.raises(ValueError, match="another model"):
+        b(ids[:, :1], past_key_values=loaded)
+    assert torch.equal(a(ids[:, :1], past_key_values=Cache.load(tmp_path / "a.cache")).logits,
+                       a(ids[:, :1], past_key_values=prefilled(a, DynamicCache(), ids)).logits)
+    Cache.load(tmp_path / "a.cache", model=a)  # and the explicit check agrees
+    # an empty cache belongs to nobody yet; generate refuses another model's prompt cache too
+    b(ids, past_key_values=DynamicCache())
+    with pytest.raises(ValueError, match="another model"):
+        b.generate(ids[:, :3], past_key_values=prefilled(a, DynamicCache(), ids[:, :2]), max_new_tokens=2)
 
 
 @torch.no_grad()

@@ -49,8 +49,8 @@ def open_cache(model, cache, use_cache: bool, x: torch.Tensor) -> Cache | None:
     """The cache of a forward of ``x`` (a new :class:`DynamicCache` for ``use_cache``), checked to fit it.
 
     Raises:
-        ValueError: ``cache`` is not a :class:`Cache`, or does not fit the model or ``x``
-            (:meth:`Cache.validate`).
+        ValueError: ``cache`` is not a :class:`Cache`, does not fit the model or ``x``
+            (:meth:`Cache.validate`), or holds another model's positions (:meth:`Cache.claim`).
     """
     if cache is None and use_cache:
         cache = DynamicCache()
@@ -61,6 +61,7 @@ def open_cache(model, cache, use_cache: bool, x: torch.Tensor) -> Cache | None:
             f"past_key_values must be an llm.Cache or a tuple of (key, value) per layer, got {type(cache).__name__}"
         )
     cache.validate(model.config, x.shape[0], x.shape[1], model.dtype)
+    cache.claim(model)
     return cache
 
 
