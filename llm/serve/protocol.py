@@ -361,25 +361,7 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
     except ValidationError as err:
         raise _bad_body(err) from None
     vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
-    prompts, texts = _chat_prompt(request, tokenizer) if chat else _prompts(request, tokenizer, vocab_size)
-    max_tokens = request.max_completion_tokens or request.max_tokens
-    n = request.n or 1
-    if n * len(prompts) > max_choices:
-        asked = f"{len(prompts)} prompts" if len(prompts) > 1 else "1 prompt"
-        raise bad(f"{asked} x n={n} ask for {n * len(prompts)} completions; this server makes at most {max_choices} "
-                  "per request", "n" if n > 1 else "prompt")
     stop = request.stop or ()
-
-    for ids in prompts:
-        if not ids:
-            raise bad("the prompt is empty: it must hold at least one token", "messages" if chat else "prompt")
-        wanted = max_tokens if max_tokens is not None else (max_seq_len - len(ids) if chat else COMPLETIONS_MAX_TOKENS)
-        if len(ids) + max(wanted, 1) > max_seq_len:
-            raise bad(f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
-                      f"{len(ids) + max(wanted, 1)} tokens ({len(ids)} in the prompt, {max(wanted, 1)} in the "
-                      "completion). Please reduce the prompt or the completion length.",
-                      "messages" if chat else "prompt", "context_length_exceeded")
-
     overrides = {}
     if request.temperature is not None:
         overrides.update(do_sample=request.temperature > 0,
@@ -391,25 +373,50 @@ def parse_request(body: dict, *, chat: bool, tokenizer, defaults: GenerationConf
         overrides["top_k"] = request.top_k if request.top_k > 0 else None  # vLLM's -1 (and 0): no top-k
     if stop:
         overrides["stop_strings"] = stop
+    # every parameter first, then the prompt (a chat template may be missing or refuse the messages)
+    _options(defaults, overrides, body, max_new_tokens=1)
+    echo = bool(not chat and request.echo)
+    logprobs, grammar = _logprobs(request, chat, echo), _grammar(request)
+    prompts, texts = _chat_prompt(request, tokenizer) if chat else _prompts(request, tokenizer, vocab_size)
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    n = request.n or 1
+    if n * len(prompts) > max_choices:
+        asked = f"{len(prompts)} prompts" if len(prompts) > 1 else "1 prompt"
+        raise bad(f"{asked} x n={n} ask for {n * len(prompts)} completions; this server makes at most {max_choices} "
+                  "per request", "n" if n > 1 else "prompt")
+
+    for ids in prompts:
+        if not ids:
+            raise bad("the prompt is empty: it must hold at least one token", "messages" if chat else "prompt")
+        wanted = max_tokens if max_tokens is not None else (max_seq_len - len(ids) if chat else COMPLETIONS_MAX_TOKENS)
+        if len(ids) + max(wanted, 1) > max_seq_len:
+            raise bad(f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+                      f"{len(ids) + max(wanted, 1)} tokens ({len(ids)} in the prompt, {max(wanted, 1)} in the "
+                      "completion). Please reduce the prompt or the completion length.",
+                      "messages" if chat else "prompt", "context_length_exceeded")
+
     seed = request.seed
     choices = []
     for p, ids in enumerate(prompts):
         wanted = max_tokens if max_tokens is not None else (max_seq_len - len(ids) if chat else COMPLETIONS_MAX_TOKENS)
         for i in range(n):
             index = p * n + i
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # greedy requests may carry sampling fields
-                    options = defaults.update(**overrides, max_new_tokens=wanted,
-                                              seed=seed + index if seed is not None else None)
-            except (ValueError, TypeError) as err:
-                name = str(err).split(" ", 1)[0]
-                raise bad(str(err), name if name in body else None) from None
-            choices.append((p, options))
+            choices.append((p, _options(defaults, overrides, body, max_new_tokens=wanted,
+                                        seed=seed + index if seed is not None else None)))
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    echo = bool(not chat and request.echo)
     return Parsed(prompts, texts, choices, stop, bool(request.stream), include_usage, echo,
-                  logprobs=_logprobs(request, chat, echo), grammar=_grammar(request))
+                  logprobs=logprobs, grammar=grammar)
+
+
+def _options(defaults: GenerationConfig, overrides: dict, body: dict, **more) -> GenerationConfig:
+    """``defaults`` updated with the request's options; a 400 naming the field they refuse."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # greedy requests may carry sampling fields
+            return defaults.update(**overrides, **more)
+    except (ValueError, TypeError) as err:
+        name = str(err).split(" ", 1)[0]
+        raise bad(str(err), name if name in body else None) from None
 
 
 def _grammar(request) -> str | None:

@@ -128,3 +128,21 @@ def test_developer_messages_reach_the_template_as_system_messages(chars):
     parsed = parse({"messages": [{"role": "developer", "content": "a"}, {"role": "user", "content": "b"}]}, chars,
                    chat=True)
     assert parsed.prompts == [chars(".ab").input_ids]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "prompt_lookup_num_tokens": 3}, "logprobs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format")])
+def test_a_chat_request_without_a_template_is_told_about_its_bad_parameters_first(extra, param):
+    # the parameters are checked before the messages meet the (missing) chat template
+    chars = build_char_tokenizer("abcdefghij .")
+    assert not chars.chat_template
+    body = {"messages": [{"role": "user", "content": "ab"}], **extra}
+    with pytest.raises(APIError) as err:
+        parse(body, chars, chat=True)
+    assert err.value.param == param and "chat template" not in err.value.message and err.value.status == 400
+    with pytest.raises(APIError, match="no chat template"):
+        parse({"messages": [{"role": "user", "content": "ab"}], "temperature": 0.5}, chars, chat=True)
