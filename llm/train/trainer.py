@@ -60,6 +60,7 @@ from llm.train.builders import (
     run_data,
     token_counting_data_spec,
 )
+from llm.utils.config import ConfigError
 from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter, StopOnNonFiniteLoss
 from llm.train.checkpointing import (
     adopt_earlier_checkpoints,
@@ -128,7 +129,13 @@ def cpu_run() -> bool:
 def run_precision(precision: str | None) -> str | None:
     """The precision a run computes in: ``precision``, except ``amp_bf16`` on a CPU without native
     bfloat16 (:func:`llm.utils.cpu.native_bf16`), which becomes ``fp32`` with one line on stderr
-    saying so (there, bf16 autocast trains ~30x slower than float32)."""
+    saying so (there, bf16 autocast trains ~30x slower than float32).
+
+    Raises:
+        ConfigError: ``amp_fp16`` on a CPU."""
+    if precision == "amp_fp16" and cpu_run():
+        raise ConfigError("precision", "amp_fp16 needs a GPU (PyTorch has no float16 autocast for CPU training); "
+                          "on a CPU use amp_bf16 or fp32")
     if precision == "amp_bf16" and cpu_run() and not native_bf16():
         _say_once("warning: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so precision amp_bf16 "
                   "runs as fp32 (bfloat16 would be ~30x slower here)")
@@ -223,6 +230,9 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
     on_rank_zero(lambda: _prepare_run_folder(cfg, save_folder))
     to_load = latest if cfg["autoresume"] and latest.is_file() else cfg["load_path"]
+    if to_load is not None and "://" not in str(to_load) and not Path(to_load).is_file():
+        raise ConfigError("load_path", f"no checkpoint file {to_load} (give a training checkpoint, e.g. "
+                          f"{save_folder / LATEST_CHECKPOINT.format(rank=0)}; or autoresume: true to take the run's newest)")
     if to_load is not None and Path(to_load).is_file():
         check_checkpoint(to_load, model)
     trainer = Trainer(

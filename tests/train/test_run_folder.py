@@ -263,3 +263,17 @@ def test_a_diverging_run_stops_at_its_first_non_finite_loss_and_saves_nothing_na
     for checkpoint in checkpoints:
         weights = torch.load(checkpoint, weights_only=False)["state"]["model"]
         assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point()), checkpoint
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"precision": "amp_fp16"}, "precision: amp_fp16 needs a GPU (PyTorch has no float16 autocast for CPU training)"),
+    ({"load_path": "nowhere/ep1-ba9-rank0.pt"}, "load_path: no checkpoint file nowhere/ep1-ba9-rank0.pt (give a"),
+])
+def test_a_cpu_fp16_run_or_a_missing_checkpoint_is_one_line(tiny_data, tmp_path, capsys, over, message):
+    if over.get("precision") == "amp_fp16" and torch.cuda.is_available():
+        pytest.skip("amp_fp16 runs on a GPU")
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_data, tmp_path / "run", **over)))
+    assert train_main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("train.py: error: ") and message in err, err
