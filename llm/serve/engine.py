@@ -189,8 +189,9 @@ class Engine:
         with self._work:
             if self._refusing:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._waiting) + len(sequences) > self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} sequences are waiting (the queue holds {self.max_queue})")
+            waiting = sum(not s.cancelled for s in self._waiting)  # a cancelled one leaves at the next step
+            if waiting + len(sequences) > self.max_queue:
+                raise QueueFull(f"{waiting} sequences are waiting (the queue holds {self.max_queue})")
             self._waiting.extend(sequences)
             self._work.notify()
         return sequences
@@ -225,7 +226,7 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(not s.cancelled for s in self._waiting)
 
     @property
     def running(self) -> int:
