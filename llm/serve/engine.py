@@ -220,7 +220,8 @@ class Engine:
         and running sequence at the next step with finish_reason "shutdown" (any thread)."""
         with self._work:
             self._refusing = True
-            for sequence in [*self._waiting, *self.solo, *self.prefilling, *(s for s in self.batch.rows if s is not None)]:
+            batch = [s for s in self.batch.rows if s is not None]
+            for sequence in [*self._waiting, *self.solo, *self.prefilling, *batch]:
                 sequence.cancel("shutdown")
             self._work.notify()
 

@@ -232,7 +232,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     to_load = latest if cfg["autoresume"] and latest.is_file() else cfg["load_path"]
     if to_load is not None and "://" not in str(to_load) and not Path(to_load).is_file():
         raise ConfigError("load_path", f"no checkpoint file {to_load} (give a training checkpoint, e.g. "
-                          f"{save_folder / LATEST_CHECKPOINT.format(rank=0)}; or autoresume: true to take the run's newest)")
+                          f"{save_folder / LATEST_CHECKPOINT.format(rank=0)}; or autoresume: true to take the "
+                          "run's newest)")
     if to_load is not None and Path(to_load).is_file():
         check_checkpoint(to_load, model)
     trainer = Trainer(
