@@ -57,11 +57,10 @@ class Cache:
             ValueError: the cache holds positions made by a model of another identity (config
                 and weights), naming both.
         """
-        owner = self._owner() if self._owner is not None else None
-        if owner is model:
+        if self._owner is not None and self._owner() is model:
             return
-        stamp = self.model_identity or (owner.identity() if owner is not None else None)
-        if stamp is not None and self.get_seq_length() > 0:
+        stamp = self._stamp() if self.get_seq_length() > 0 else None  # an empty cache is nobody's yet
+        if stamp is not None:
             identity = model.identity()
             if identity != stamp:
                 raise ValueError(f"past_key_values holds the keys and values of another model (identity "

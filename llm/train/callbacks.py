@@ -52,7 +52,8 @@ class StopOnNonFiniteLoss(Callback):
         losses = state.loss.values() if isinstance(state.loss, dict) else (
             state.loss if isinstance(state.loss, (list, tuple)) else [state.loss])
         values = [torch.as_tensor(v).detach() for v in losses]
-        bad = torch.tensor([float(not all(bool(torch.isfinite(v).all()) for v in values))])
+        # on the loss's device (NCCL reduces only GPU tensors), read once: one sync per batch
+        bad = torch.stack([~torch.isfinite(v).all() for v in values]).any().float().reshape(1)
         dist.all_reduce(bad, reduce_operation="MAX")
         if bad.item():
             shown = ", ".join(f"{float(v.float().mean()):g}" for v in values)
