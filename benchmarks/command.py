@@ -78,10 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
-    if args.model is None:
-        from llm.utils.pretrained import registered_path
-
-        args.model = str(registered_path("smollm2-135m-instruct"))
+    if args.model is None:  # found by a child: a child's peak RSS counts the parent's (vfork + exec), so
+        # this process must not import torch
+        args.model = subprocess.run([sys.executable, "-c", "from llm.utils.pretrained import registered_path; "
+                                     "print(registered_path('smollm2-135m-instruct'))"],
+                                    check=True, capture_output=True, text=True, cwd=ROOT).stdout.strip()
     if not PEERS_PYTHON.is_file():
         p.error(f"no {PEERS_PYTHON}: run `make bench-peers` first")
     py = sys.executable

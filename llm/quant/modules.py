@@ -236,16 +236,23 @@ class Int8Embedding(_Int8Codes):
 
     Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
     (see :meth:`tied_head`): the codes are kept in the layout of the output layer's kernel and
-    looked up there. The state dict holds them (num_embeddings, embedding_dim).
+    looked up there; ``packed`` codes come in that layout already, with ``embedding_dim`` given.
+    The state dict holds them (num_embeddings, embedding_dim).
     ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
     """
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, backend: str = "auto"):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, backend: str = "auto", *, packed: bool = False,
+                 embedding_dim: int | None = None):
         super().__init__()
         self.backend = backend
-        self.num_embeddings, self.embedding_dim = weight.shape
+        self.num_embeddings = scales.shape[0]
+        self.embedding_dim = embedding_dim if packed else weight.shape[1]
         self.register_buffer("scales", scales)
-        self._set_codes(weight)
+        if packed:  # codes already in the kernel's layout (llm.kernels.cpu_quant.pack_int8)
+            self.packed = True
+            self.register_buffer("weight", weight)
+        else:
+            self._set_codes(weight)
 
     def _shape(self) -> tuple[int, int]:
         return self.num_embeddings, self.embedding_dim

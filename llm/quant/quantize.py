@@ -19,7 +19,8 @@ from torch import nn
 
 from llm.kernels.quant import INT4_GROUP_SIZES, int4_supported
 from llm.kernels import cpu_quant
-from llm.quant.modules import BACKENDS, Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, int8_rows
+from llm.quant.modules import (BACKENDS, Int4Linear, Int8Embedding, Int8Linear, QuantizationReport, _our_kernel,
+                               int8_rows)
 
 METHODS = ("int8", "int4")
 #: The file next to a quantized bundle's weights that says how they are quantized.
@@ -157,20 +158,33 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
 def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   activation_dtype: torch.dtype, backend: str = "auto") -> str:
     """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model), or from
-    its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`; with tied
-    embeddings the token embedding becomes an :class:`Int8Embedding` and the output layer shares
-    its storage. Returns the name of the module quantized (``lm_head`` or ``wte``)."""
+    its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`, the codes
+    either (vocab_size, d_model) or, where :func:`head_packs`, already in our kernel's layout
+    (4-D, :func:`llm.kernels.cpu_quant.pack_int8`); with tied embeddings the token embedding
+    becomes an :class:`Int8Embedding` and the output layer shares its storage. Returns the name of
+    the module quantized (``lm_head`` or ``wte``)."""
     codes, scales = weight if isinstance(weight, tuple) else int8_rows(weight.to(model.norm_f.weight.device))
     device = model.norm_f.weight.device
     codes, scales = codes.to(device), scales.to(device)
+    packed = codes.dim() == 4
+    if packed and not head_packs(model, backend):
+        raise ValueError("packed output-layer codes given for a model whose output layer does not take our kernel")
+    dim = model.norm_f.weight.shape[0]
     if model.lm_head is not None:
-        _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype, backend=backend))
+        _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype, packed=packed,
+                                     in_features=dim, backend=backend))
         return HEAD
-    embedding = Int8Embedding(codes, scales, backend)
+    embedding = Int8Embedding(codes, scales, backend, packed=packed, embedding_dim=dim)
     embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
     model.wte = embedding
     model.lm_head = embedding.tied_head(activation_dtype)
     return EMBEDDING
+
+
+def head_packs(model: nn.Module, backend: str = "auto") -> bool:
+    """Whether :func:`quantize_head` with ``backend`` gives ``model``'s output layer our int8 kernel
+    (so its codes are kept packed in that kernel's layout)."""
+    return _our_kernel(backend, model.norm_f.weight.device, model.config.vocab_size, model.config.d_model)
 
 
 def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource, backend: str = "auto") -> nn.Module:

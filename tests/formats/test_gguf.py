@@ -452,3 +452,21 @@ def test_converted_tensors_give_their_file_pages_back():
     gguf_module._release(reader, parts)
     # what stays: neighbours' pages that the kernel's fault-around mapped with them (64 KB a side)
     assert _resident_kb(GGUF) - before <= 128 < read
+
+
+def test_the_head_is_packed_block_by_block_as_the_whole_table_would_be(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as Q
+
+    from llm.kernels import cpu_quant
+    from llm.utils.gguf import read_gguf
+
+    model = tiny_hf_llama()  # vocabulary 96 in blocks of 32 rows: three blocks packed one by one
+    path = write_gguf(tmp_path / "tiny.gguf", model, {"output.weight": Q.Q8_0})
+    monkeypatch.setattr(gguf_module, "_HEAD_ROWS", 32)
+    reader = read_gguf(path)
+    parts = gguf_module._sources(reader, gguf_module.gguf_config(reader))["lm_head.weight"]
+    codes, scales = gguf_module._int8_rows(parts, reader)
+    packed, packed_scales = gguf_module._int8_rows(parts, reader, pack=True)
+    assert codes.shape == (96, 64) and codes.abs().max() == 127
+    assert torch.equal(packed, cpu_quant.pack_int8(codes)) and torch.equal(packed_scales, scales)
+    assert torch.equal(cpu_quant.unpack_int8(packed, 96), codes)

@@ -27,7 +27,9 @@ from llm.generation.config import GenerationConfig
 from llm.model import MosaicGPT
 from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.modules import QuantizationReport, int8_rows
-from llm.quant.quantize import EMBEDDING, HEAD, check_backend, default_activation_dtype, projections, quantize_head
+from llm.kernels import cpu_quant
+from llm.quant.quantize import (EMBEDDING, HEAD, check_backend, default_activation_dtype, head_packs, projections,
+                                quantize_head)
 from llm.utils.gguf import _MISSING, read_gguf
 from llm.utils.memory import release_freed_memory
 from llm.utils.gguf import field as _field
@@ -236,17 +238,28 @@ def _float(parts, path) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _int8_rows(parts, path) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_rows(parts, reader, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
-    from its GGUF tensor, dequantized a block of rows at a time: a float32 copy of a whole
-    vocabulary-sized table would be most of a 4-bit model's peak memory."""
+    from its GGUF tensor, dequantized a block of rows at a time, each block's file pages given back
+    once read: a float32 copy of a whole vocabulary-sized table, or the table's file pages beside
+    its codes, would be most of a 4-bit model's peak memory. With ``pack`` the codes come in our
+    int8 kernel's layout (:func:`llm.kernels.cpu_quant.pack_int8`), packed block by block rather
+    than as a second copy of the table."""
     (tensor, _), = parts  # one source, never permuted (only query and key rows are)
-    rows = int(tensor.shape[-1])
-    codes = torch.empty(rows, int(tensor.shape[0]), dtype=torch.int8)
+    rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])
+    row_bytes = int(tensor.n_bytes) // rows
+    codes = (torch.empty(-(-rows // cpu_quant.LANES), cols // 4, cpu_quant.LANES, 4, dtype=torch.int8) if pack
+             else torch.empty(rows, cols, dtype=torch.int8))
     scales = torch.empty(rows, dtype=torch.float32)
     for start in range(0, rows, _HEAD_ROWS):
         block = slice(start, start + _HEAD_ROWS)
-        codes[block], scales[block] = int8_rows(_dequantize(tensor, path, block))
+        block_codes, scales[block] = int8_rows(_dequantize(tensor, reader.path, block))
+        if pack:  # _HEAD_ROWS is a multiple of the kernel's 16 rows: each block fills whole lanes
+            packed = cpu_quant.pack_int8(block_codes)
+            codes[start // cpu_quant.LANES:start // cpu_quant.LANES + len(packed)] = packed
+        else:
+            codes[block] = block_codes
+        _release_bytes(reader, int(tensor.data_offset), int(tensor.data_offset) + (start + len(block_codes)) * row_bytes)
     return codes, scales
 
 
@@ -308,19 +321,23 @@ def _release(reader, parts) -> None:
     """Give back the memory-mapped file pages of ``parts``' tensors once converted: a read page of a
     mapping stays in the process's memory while the mapping lives, so a load would otherwise hold
     the whole file beside the model it made (read again from the page cache if touched)."""
+    for tensor, _ in parts:
+        _release_bytes(reader, int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes))
+
+
+def _release_bytes(reader, start: int, end: int) -> None:
+    """Give back the whole pages of bytes ``[start, end)`` of ``reader``'s file mapping (see :func:`_release`)."""
     mapping = reader.data
     while mapping is not None and not isinstance(mapping, mmap.mmap):
         mapping = getattr(mapping, "base", None)
     if mapping is None or not hasattr(mapping, "madvise"):
         return
-    page = mmap.PAGESIZE
-    for tensor, _ in parts:
-        start = int(tensor.data_offset) // page * page
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
+    start = start // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
         try:
             mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):  # not a mapping the OS lets go of: it stays until the reader goes
-            return
+            pass
 
 
 def load_gguf(
@@ -383,7 +400,7 @@ def load_gguf(
     head = HEAD if model.lm_head is not None else EMBEDDING
     if quantization in ("int8", "int4"):
         quantize(model, quantization, group_size, weights=lambda name: _float(sources[name], reader.path),
-                 head=_int8_rows(sources[head + ".weight"], reader.path), backend=backend)
+                 head=_int8_rows(sources[head + ".weight"], reader, head_packs(model, backend)), backend=backend)
         return _with_generation_config(model.eval(), reader)
 
     act = default_activation_dtype(model.device)
@@ -407,7 +424,7 @@ def load_gguf(
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
         _release(reader, parts)
-    quantize_head(model, _int8_rows(sources[head + ".weight"], reader.path), act, backend)
+    quantize_head(model, _int8_rows(sources[head + ".weight"], reader, head_packs(model, backend)), act, backend)
     _release(reader, sources[head + ".weight"])
     report.quantized.append(head)
     model.quantization = report
