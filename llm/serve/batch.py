@@ -87,22 +87,34 @@ class SlotBatch:
         Raises:
             RuntimeError: if every slot is taken (check :meth:`has_room`).
         """
-        if not self.has_room():
-            raise RuntimeError(f"all {self.max_slots} slots are taken")
-        length = past[0][0].shape[2]
-        slots = len(self.rows)
-        if None not in self.rows:
-            slots = _slots_for(len(self) + 1, self.max_slots)
-        if slots != len(self.rows) or self.column < length or self.column >= self.capacity:
-            self._relayout(slots, length)
-        slot = self.rows.index(None)
-        start = self.column - length
-        for i, (key, value) in enumerate(past):
-            self.cache._keys[i][slot, :, start:self.column] = key[0]
-            self.cache._values[i][slot, :, start:self.column] = value[0]
-        self.key_mask[slot] = False
-        self.key_mask[slot, start:self.column] = True
-        self.rows[slot], self.starts[slot] = row, start
+        self.join_all([(row, past)])
+
+    def join_all(self, joining: list) -> None:
+        """Add the ``(row, past)`` pairs of ``joining`` as :meth:`join` does, re-laying out the
+        buffer at most once for all of them (a re-layout allocates and copies the whole buffer).
+
+        Raises:
+            RuntimeError: if they do not all fit in the free slots.
+        """
+        if not joining:
+            return
+        rows = len(self) + len(joining)
+        if rows > self.max_slots:
+            raise RuntimeError(f"{len(joining)} rows do not fit: {len(self)} of the {self.max_slots} slots are taken")
+        longest = max(past[0][0].shape[2] for _, past in joining)
+        slots = len(self.rows) if rows <= len(self.rows) else _slots_for(rows, self.max_slots)
+        if slots != len(self.rows) or self.column < longest or self.column >= self.capacity:
+            self._relayout(slots, longest)
+        for row, past in joining:
+            length = past[0][0].shape[2]
+            slot = self.rows.index(None)
+            start = self.column - length
+            for i, (key, value) in enumerate(past):
+                self.cache._keys[i][slot, :, start:self.column] = key[0]
+                self.cache._values[i][slot, :, start:self.column] = value[0]
+            self.key_mask[slot] = False
+            self.key_mask[slot, start:self.column] = True
+            self.rows[slot], self.starts[slot] = row, start
 
     def leave(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Free ``slot``; return its row's keys and values, per layer (1, kv_n_heads, n, head_dim) copies."""

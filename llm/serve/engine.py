@@ -9,7 +9,10 @@ iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's contin
   before the batch's decoding step, so a long prompt arriving delays the running rows' next
   tokens by one chunk's time, not its whole prefill; a prompt that fits in a chunk is never cut.
   Its first token is sampled from the last chunk's logits, and its keys and values copied into a
-  free slot of the :class:`~llm.serve.batch.SlotBatch`;
+  free slot of the :class:`~llm.serve.batch.SlotBatch`. A prompt cached but for its last token
+  (a repeated prompt: a lookup leaves at least one token to compute) joins the batch at once, and
+  the batch's step feeds that token with the other rows' (as vLLM computes only the last token of
+  a cached prompt): no forward of its own, so a wave of repeated prompts starts in one step;
 - each step then feeds every row's last token in one forward; each row samples from its own
   logits with its own :class:`~llm.generation.sampling.Sampler` and random generator, and stops
   on its own eos, stop strings or ``max_new_tokens``. A row's tokens are those of the same
@@ -130,6 +133,7 @@ class Engine:
                              f"{max_queue} and {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefilling: list[Sequence] = []
+        self._joining: list[tuple[Sequence, list]] = []  # rows prefilled this step: they join together
         self.model, self.tokenizer, self.compile = model, tokenizer, compile
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.batch = SlotBatch(model, max_batch_size, compile=compile)
@@ -231,7 +235,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self.batch) + len(self.solo) + len(self.prefilling)
+        return len(self.batch) + len(self.solo) + len(self.prefilling) + len(self._joining)
 
     # -- the loop (the engine's thread) -----------------------------------------------------
     def start(self) -> "Engine":
@@ -264,6 +268,8 @@ class Engine:
         self._drop_cancelled()
         admitted = self._admit()
         self._prefill_some()
+        joining, self._joining = self._joining, []
+        self.batch.join_all(joining)  # one re-layout of the buffer for all of them
         if len(self.batch):
             self._decode_batch()
         for sequence in list(self.solo):
@@ -350,6 +356,13 @@ class Engine:
                 sequence.prefill_cache = past if past is not None else DynamicCache()
                 sequence.prefilled = sequence.cached_tokens
             left = len(sequence.prompt) - sequence.prefilled
+            if left == 1 and sequence.prefilled:
+                # all but the last token cached: the row joins the batch and its step feeds that
+                # token, beside the other rows' (a step of its own would cost a forward)
+                self.prefilling.remove(sequence)
+                cache, sequence.prefill_cache = sequence.prefill_cache, None
+                self._joining.append((sequence, layers_of(cache, sequence.prefilled)))
+                continue
             if left > budget and left <= self.prefill_chunk:
                 continue
             count = min(left, budget)
@@ -378,11 +391,12 @@ class Engine:
         self.prefix.store(sequence.prompt, layers)
         token = int(sequence.sampler.pick(self._allowed(sequence, logits), sequence.seen)[0])
         if not self._emit(sequence, token, logits):
-            self.batch.join(sequence, layers)
+            self._joining.append((sequence, layers))
 
     def _decode_batch(self) -> None:
         try:
-            logits = self.batch.step(lambda sequence: sequence.tokens[-1])
+            # a row that joined with its prompt's last token still to feed has no token yet
+            logits = self.batch.step(lambda sequence: sequence.tokens[-1] if sequence.tokens else sequence.prompt[-1])
         except Exception as err:  # the batch is lost; the server goes on with new requests
             log.exception("a batch step failed")
             for sequence in self.batch.rows:

@@ -136,6 +136,8 @@ def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantizatio
     for i in range(16):
         head = shared if i % 3 else []
         prompt = head + [rng.randrange(97) for _ in range(rng.randrange(1, 50))]
+        if i % 5 == 4:  # an earlier prompt again: cached but for its last token, fed by a batch step
+            prompt = reqs[i - 3][0]
         reqs.append((prompt, GenerationConfig(max_new_tokens=rng.randrange(4, 30), do_sample=False, eos_token_id=7)))
 
     def logprobs(sequences):
@@ -159,7 +161,7 @@ def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantizatio
             pass
         assert logprobs(sequences) == alone_runs
         if prefix_tokens:
-            assert any(s.cached_tokens for s in sequences)
+            assert any(s.cached_tokens == len(s.prompt) - 1 for s in sequences)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes():
