@@ -481,6 +481,10 @@ class StaticCache(Cache):
         device, dtype: of the storage. If both config and batch_size are given, storage is
             allocated now (dtype defaults to torch's default dtype); otherwise at first write,
             in the keys' dtype and device.
+        zeroed: whether storage allocated now starts as zeros; False (uninitialized memory,
+            which the OS hands over without a write) only for a caller whose attention never
+            reads a masked key (:func:`llm.model.buffer.masked_keys_unread`): masked garbage
+            would otherwise be multiplied by a zero weight, and NaN * 0 is NaN.
 
     Raises:
         ValueError: if max_cache_len < 1, and (on write) when the new tokens do not fit, naming
@@ -494,6 +498,7 @@ class StaticCache(Cache):
         max_cache_len: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        zeroed: bool = True,
     ):
         super().__init__()
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
@@ -503,9 +508,10 @@ class StaticCache(Cache):
         if config is not None and batch_size is not None:
             shape = (batch_size, config.kv_n_heads, max_cache_len, config.head_dim)
             dtype = dtype or torch.get_default_dtype()
+            make = torch.zeros if zeroed else torch.empty
             for _ in range(config.n_layers):
-                self._keys.append(torch.zeros(shape, dtype=dtype, device=device))
-                self._values.append(torch.zeros(shape, dtype=dtype, device=device))
+                self._keys.append(make(shape, dtype=dtype, device=device))
+                self._values.append(make(shape, dtype=dtype, device=device))
                 self._lengths.append(0)
 
     def get_max_length(self) -> int:

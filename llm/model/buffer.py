@@ -21,6 +21,17 @@ from llm.layers.linear import linear
 from llm.layers.positions import alibi_slopes
 
 
+def masked_keys_unread(model) -> bool:
+    """Whether every attention of ``model`` (a :class:`~llm.model.MosaicGPT` in eval mode) in a
+    step over a cache buffer leaves the masked keys and values unread: our CPU kernels compute
+    them all (the fused blocks or :func:`~llm.kernels.cpu_quant.decode_attention`, which read
+    each query's allowed keys only), so the buffer needs no zeros
+    (:class:`~llm.cache.StaticCache` ``zeroed=False``). False where torch's attention may run."""
+    return (not model.training and model.dtype == torch.float32 and model.device.type == "cpu"
+            and all(isinstance(block, MosaicGPTBlock) and block.attn.decode_kernel
+                    and block.attn.head_dim % 16 == 0 and block.attn.head_dim <= 128 for block in model.blocks))
+
+
 class FusedRun(NamedTuple):
     """Every block's fused kernel weights (:meth:`MosaicGPTBlock.fused_weights_for`), and, when
     the blocks share one shape, the arguments of one :func:`~llm.kernels.cpu_quant.decoder_blocks`

@@ -200,3 +200,32 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes():
         assert sequence.tokens == alone(model, prompt, options)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(model, prefill_chunk=0)
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_on_our_kernels_the_batch_buffer_needs_no_zeros(quantization, monkeypatch):
+    # a batch re-laid out over buffers that are uninitialized memory (here: NaN wherever nothing
+    # was written) decodes the same tokens: our kernels never read a masked position; a float
+    # model, on torch's attention, keeps zeroed buffers
+    from llm.model.buffer import masked_keys_unread
+    from llm.serve import batch as batch_module
+
+    shape = dict(d_model=64, n_heads=4, kv_n_heads=2, max_seq_len=256)  # head_dim 16: our attention takes it
+    model = tiny_model("llama", **shape, quantization=quantization, kernels="llm")
+    assert masked_keys_unread(model) and not masked_keys_unread(tiny_model("llama", **shape))
+    made = []
+
+    def nan_cache(*args, zeroed=True, **kwargs):
+        cache = batch_module.StaticCache.__wrapped__(*args, zeroed=zeroed, **kwargs)
+        made.append(zeroed)
+        for storage in (*cache._keys, *cache._values):
+            storage.fill_(0.0 if zeroed else float("nan"))
+        return cache
+
+    nan_cache.__wrapped__ = batch_module.StaticCache
+    monkeypatch.setattr(batch_module, "StaticCache", nan_cache)
+    reqs = requests(10, seed=5)
+    sequences = drive(Engine(model, max_batch_size=4), reqs)
+    assert made and not any(made)
+    assert [s.tokens for s in sequences] == [alone(model, p, o) for p, o in reqs]

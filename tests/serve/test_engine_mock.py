@@ -48,6 +48,7 @@ class MockModel:
         self.config = MosaicGPTConfig(vocab_size=VOCAB, d_model=2, n_heads=2, n_layers=1, max_seq_len=4096,
                                       learned_pos_emb=False, alibi=True)
         self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.training, self.blocks = False, ()  # no attention of torch's: reads only the visible keys
         self.forwards = 0
 
     def __call__(self, input_ids, past_key_values, use_cache, logits_to_keep):
