@@ -353,15 +353,24 @@ class LoaderConfig:
                 self.dataset.shuffle_seed = seed
 
 
+#: The keys only ``optimizer.name: muon`` takes.
+MUON_KEYS = ("momentum", "nesterov", "ns_steps", "adamw_lr")
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """``optimizer``: ``decoupled_adamw`` (Composer's ``DecoupledAdamW``) or ``adamw`` (torch's).
+    """``optimizer``: ``decoupled_adamw`` (Composer's ``DecoupledAdamW``), ``adamw`` (torch's) or
+    ``muon`` (:class:`llm.train.muon.Muon`: Muon at ``lr`` for the blocks' matrices, AdamW at
+    ``adamw_lr`` with ``betas`` and ``eps`` for the rest).
 
-    Defaults are ``DecoupledAdamW``'s, for both. Decoupled weight decay multiplies the weights by
-    ``1 - weight_decay * lr / lr_0`` every step: about ``lr`` times the value ``adamw`` takes.
+    Defaults are ``DecoupledAdamW``'s, for all. Decoupled weight decay multiplies the weights by
+    ``1 - weight_decay * lr / lr_0`` every step, ``adamw`` and ``muon`` by ``1 - lr * weight_decay``
+    (each group its own ``lr``): ``decoupled_adamw``'s value is about ``lr`` times theirs.
+    ``momentum``, ``nesterov``, ``ns_steps`` and ``adamw_lr`` are ``muon``'s only (defaults 0.95,
+    true, 5 and 3e-3).
     """
 
-    name: str = setting(check=one_of("decoupled_adamw", "adamw"))
+    name: str = setting(check=one_of("decoupled_adamw", "adamw", "muon"))
     lr: float = setting(1.0e-3, check=positive)
     betas: tuple[float, float] = setting((0.9, 0.95), check=each(in_range(0, 1, hi_inclusive=False)))
     eps: float = setting(1.0e-8, check=positive)
@@ -370,37 +379,71 @@ class OptimizerConfig:
     #: dimensions: the projections and the embeddings; not norms or biases), as nanoGPT's
     #: ``configure_optimizers``; or ``all``
     decay: str = setting("matrices", check=one_of("matrices", "all"))
+    momentum: float | None = setting(None, check=in_range(0, 1, hi_inclusive=False))
+    nesterov: bool | None = None
+    ns_steps: int | None = setting(None, check=at_least(1))
+    adamw_lr: float | None = setting(None, check=positive)
+
+    config_omit_none: ClassVar[bool] = True  # to_dict: no muon keys for the AdamWs
+
+    def __post_init__(self) -> None:
+        if self.name != "muon":
+            for key in MUON_KEYS:
+                if getattr(self, key) is not None:
+                    raise ConfigError(key, f"is an option of optimizer muon only, not of {self.name}")
+            return
+        if self.decay != "matrices":
+            raise ConfigError("decay", "muon decays the matrices only: remove decay or set it to matrices")
+        for key, default in zip(MUON_KEYS, (0.95, True, 5, 3.0e-3)):
+            if getattr(self, key) is None:
+                setattr(self, key, default)
 
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
     """``scheduler``: Composer's ``*WithWarmupScheduler`` by name.
 
-    ``t_warmup`` and ``t_max`` are Composer time strings (``t_max`` ``1dur``: the whole run).
-    ``alpha_f`` (the final learning-rate multiplier) defaults to 0 for ``cosine_with_warmup`` and
-    ``linear_with_warmup``; ``constant_with_warmup`` has none (it is left out of ``to_dict()``, so
-    every key there is an option of the named Composer scheduler).
+    ``t_warmup`` and ``t_max`` are Composer time strings (``t_max`` ``1dur``: the whole run;
+    ``t_warmup`` may be a fraction of it, ``0.05dur``). ``alpha_f`` (the final learning-rate
+    multiplier) defaults to 0 for ``cosine_with_warmup``, ``linear_with_warmup`` and
+    ``warmup_stable_decay``; ``constant_with_warmup`` has none (it is left out of ``to_dict()``, so
+    every key there is an option of the named scheduler). ``warmup_stable_decay``
+    (:class:`llm.train.schedule.WarmupStableDecayScheduler`) takes ``t_decay`` (default
+    ``0.3dur``: a linear cool-down over the last 30% of the run) instead of ``t_max``.
     """
 
-    name: str = setting(check=one_of("cosine_with_warmup", "constant_with_warmup", "linear_with_warmup"))
+    name: str = setting(check=one_of("cosine_with_warmup", "constant_with_warmup", "linear_with_warmup",
+                                     "warmup_stable_decay"))
     t_warmup: str = setting(check=time_check(SCHEDULER_UNITS, allow_zero=True, example="100ba"))
     alpha_f: float | None = setting(None, check=in_range(0, 1))
-    t_max: str = setting("1dur", check=time_check(SCHEDULER_UNITS, example="1dur"))
+    t_max: str | None = setting(None, check=time_check(SCHEDULER_UNITS, example="1dur"))
+    t_decay: str | None = setting(None, check=time_check(SCHEDULER_UNITS, allow_zero=True, example="0.3dur"))
 
     config_omit_none: ClassVar[bool] = True  # to_dict: no alpha_f for constant_with_warmup
 
     def __post_init__(self) -> None:
+        if self.name == "warmup_stable_decay":
+            if self.t_max is not None:
+                raise ConfigError("t_max", "warmup_stable_decay decays over the run's last t_decay: use t_decay")
+            self.t_decay = self.t_decay if self.t_decay is not None else "0.3dur"
+        elif self.t_decay is not None:
+            raise ConfigError("t_decay", f"is an option of warmup_stable_decay only, not of {self.name}")
+        else:
+            self.t_max = self.t_max if self.t_max is not None else "1dur"
         if self.name == "constant_with_warmup":
             if self.alpha_f is not None:
                 raise ConfigError("alpha_f", "constant_with_warmup has no final multiplier: remove alpha_f")
         elif self.alpha_f is None:
             self.alpha_f = 0.0
-        warmup, t_max = parse_time(self.t_warmup), parse_time(self.t_max)
+        span = "t_decay" if self.name == "warmup_stable_decay" else "t_max"
+        warmup, t_max = parse_time(self.t_warmup), parse_time(getattr(self, span))
         if isinstance(warmup, str) or isinstance(t_max, str):
-            bad = "t_warmup" if isinstance(warmup, str) else "t_max"
+            bad = "t_warmup" if isinstance(warmup, str) else span
             raise ConfigError(bad, f"expected a Composer time string, got {getattr(self, bad)!r}")
-        if warmup.unit == t_max.unit and warmup.value > t_max.value:
+        if span == "t_max" and warmup.unit == t_max.unit and warmup.value > t_max.value:
             raise ConfigError("t_warmup", f"{self.t_warmup} is longer than t_max {self.t_max}")
+        if span == "t_decay" and warmup.unit.value == t_max.unit.value == "dur" and warmup.value + t_max.value > 1:
+            raise ConfigError("t_decay", f"warmup {self.t_warmup} and decay {self.t_decay} overlap (more than 1dur)")
 
 
 @dataclass(kw_only=True)

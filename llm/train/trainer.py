@@ -70,6 +70,7 @@ from llm.train.checkpointing import (
     repair_latest_checkpoint,
 )
 from llm.train.run_folder import check_resume_config, hold_run_folder, on_rank_zero
+from llm.train.schedule import WarmupStableDecayScheduler
 from llm.train.speed import flops_per_token, measure_peak_flops
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -79,6 +80,7 @@ SCHEDULERS = {
     "cosine_with_warmup": CosineAnnealingWithWarmupScheduler,
     "constant_with_warmup": ConstantWithWarmupScheduler,
     "linear_with_warmup": LinearWithWarmupScheduler,
+    "warmup_stable_decay": WarmupStableDecayScheduler,
 }
 ALGORITHMS = {"gradient_clipping": GradientClipping}
 
@@ -117,6 +119,12 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float, decay: str = "
 
 def _optimizer(cfg: Mapping[str, Any], model: torch.nn.Module) -> torch.optim.Optimizer:
     options = {k: v for k, v in cfg.items() if k not in ("name", "decay")}
+    if cfg["name"] == "muon":
+        from llm.train.muon import Muon, muon_groups
+
+        groups = muon_groups(model, lr=options["lr"], adamw_lr=options.pop("adamw_lr"),
+                             weight_decay=options["weight_decay"])
+        return Muon(groups, **options)
     groups = optimizer_groups(model, options.pop("weight_decay"), cfg["decay"])
     return OPTIMIZERS[cfg["name"]](groups, **options)
 

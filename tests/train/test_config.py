@@ -119,7 +119,7 @@ def test_to_dict_is_plain_resolved_and_round_trips(tmp_path):
         ("scheduler.alpha_f=2", r"^scheduler\.alpha_f: must be in \[0, 1\]"),
         ("scheduler.name=constant_with_warmup", r"^scheduler\.alpha_f: constant_with_warmup has no final multiplier"),
         ("scheduler.name=step", r"^scheduler\.name: expected one of \['cosine_with_warmup', "),
-        ("optimizer.name=sgd", r"^optimizer\.name: expected one of \['decoupled_adamw', 'adamw'\]"),
+        ("optimizer.name=sgd", r"^optimizer\.name: expected one of \['decoupled_adamw', 'adamw', 'muon'\]"),
         ("optimizer.weight_decay=-1", r"^optimizer\.weight_decay: must be >= 0"),
         ("eval_interval=0", r"^eval_interval: must be > 0"),
         ("eval_interval=2dur", r"^eval_interval: a fraction of the run \(dur\) must be at most 1"),

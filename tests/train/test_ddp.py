@@ -24,9 +24,11 @@ COMPOSER = Path(sys.executable).with_name("composer")
 
 
 @pytest.mark.skipif(not COMPOSER.is_file(), reason="needs Composer's launcher next to the Python interpreter")
-def test_two_processes_match_one(tiny_data, tmp_path):
+@pytest.mark.parametrize("optimizer", [None, {"name": "muon", "lr": 0.02, "adamw_lr": 1.0e-2}])
+def test_two_processes_match_one(optimizer, tiny_data, tmp_path):
+    # muon: every rank orthogonalizes the same all-reduced gradients, so the ranks' weights agree
     single = tiny_config(tiny_data, tmp_path / "single", global_train_batch_size=16, max_duration="6ba",
-                         eval_interval="3ba", save_interval="6ba")
+                         eval_interval="3ba", save_interval="6ba", **({"optimizer": optimizer} if optimizer else {}))
     ddp = {**single, "save_folder": str(tmp_path / "ddp")}
     (tmp_path / "ddp.json").write_text(json.dumps(ddp))
     args = [str(COMPOSER), "-n", "2", "--stderr", str(tmp_path / "rank{rank}.stderr"), "-m", "tests.train_helpers",

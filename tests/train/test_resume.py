@@ -35,11 +35,21 @@ KILL_AFTER = 5  # checkpoints at batches 2 and 4, so the resumed run redoes batc
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     """Run A (10 batches, uninterrupted) and run B (the same config, SIGKILLed after batch 5)."""
-    root = tmp_path_factory.mktemp("resume")
-    a = tiny_config(tiny_data, root / "a")
+    return _run_and_kill(tiny_data, tmp_path_factory.mktemp("resume"))
+
+
+@pytest.fixture(scope="module")
+def muon_runs(tiny_data, tmp_path_factory):
+    """As ``runs``, trained with optimizer muon."""
+    optimizer = {"name": "muon", "lr": 0.02, "adamw_lr": 1.0e-2, "weight_decay": 1.0e-4}
+    return _run_and_kill(tiny_data, tmp_path_factory.mktemp("resume-muon"), optimizer=optimizer)
+
+
+def _run_and_kill(tiny_data, root, **overrides):
+    a = tiny_config(tiny_data, root / "a", **overrides)
     with extra_callbacks(BatchRecorder(root / "a.batches")):
         result_a = train(a)
-    b = tiny_config(tiny_data, root / "b", autoresume=True)
+    b = tiny_config(tiny_data, root / "b", autoresume=True, **overrides)
     (root / "b.json").write_text(json.dumps(b))
     proc = subprocess.run(
         [sys.executable, "-m", "tests.train_helpers", str(root / "b.json"), "--kill-after", str(KILL_AFTER),
@@ -59,7 +69,9 @@ def _resume(cfg, record):
         return train(cfg)
 
 
-def test_killed_run_resumes_to_the_same_weights_and_data_order(runs, tmp_path):
+@pytest.mark.parametrize("which", ["runs", "muon_runs"])
+def test_killed_run_resumes_to_the_same_weights_and_data_order(which, request, tmp_path):
+    runs = request.getfixturevalue(which)
     b_folder = Path(runs["b"]["save_folder"])
     assert sorted(p.name for p in b_folder.glob("ep*.pt")) == ["ep0-ba2-rank0.pt", "ep0-ba4-rank0.pt"]
     assert os.readlink(b_folder / "latest-rank0.pt") == "ep0-ba4-rank0.pt"
