@@ -18,11 +18,11 @@ from llm.utils.config import from_dict
 
 ATTN_IMPLS = ("torch", "sdpa")
 FFN_TYPES = ("mlp", "glu")
-FFN_ACTS = ("gelu", "gelu_tanh", "relu", "silu")
+FFN_ACTS = ("gelu", "gelu_tanh", "relu", "relu2", "silu")
 NORM_TYPES = ("layernorm", "rmsnorm")
 FLOAT_KEYS = ("expansion_ratio", "emb_pdrop", "resid_pdrop", "attn_pdrop", "rope_theta", "init_std",
               "layer_norm_epsilon")
-BOOL_KEYS = ("learned_pos_emb", "alibi", "rope", "no_bias", "tie_word_embeddings")
+BOOL_KEYS = ("learned_pos_emb", "alibi", "rope", "no_bias", "tie_word_embeddings", "qk_norm", "zero_init_residual")
 
 
 @dataclass
@@ -32,6 +32,13 @@ class MosaicGPTConfig:
     Positions are exactly one of: learned embeddings (``learned_pos_emb``, as GPT-2), ALiBi
     (``alibi``, Press et al. 2022, as MPT) or rotary embeddings (``rope``, Su et al. 2021, as
     Llama). ``kv_n_heads`` < ``n_heads`` gives grouped-query attention (Ainslie et al. 2023).
+
+    Parts of the modded-nanogpt speedrun recipe: ``qk_norm`` (each query and key head
+    RMS-normalized, without a weight, before rotary positions; Henry et al. 2020, Dehghani et al.
+    2023), ``ffn_act: relu2`` (``relu(x)^2``, So et al. 2021), ``logit_softcap`` (logits
+    ``c * tanh(logits / c)``, as Gemma 2), ``zero_init_residual`` (the projections into the
+    residual stream, ``out_proj`` and ``down_proj``, start at zero, so each block starts as the
+    identity) and an untied output layer (``tie_word_embeddings: false``).
 
     Raises:
         ValueError: on construction, for any impossible value, naming the key and what is allowed.
@@ -61,6 +68,9 @@ class MosaicGPTConfig:
     init_std: float = 0.02
     tie_word_embeddings: bool = True
     layer_norm_epsilon: float = 1e-5
+    qk_norm: bool = False
+    logit_softcap: float | None = None
+    zero_init_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_n_heads is None:
@@ -124,6 +134,10 @@ class MosaicGPTConfig:
                 f"of {self.hidden_size} (< 1): raise expansion_ratio to at least {1 / self.d_model:.3g} or set "
                 "ffn_hidden_size"
             )
+        if self.logit_softcap is not None and (isinstance(self.logit_softcap, bool)
+                                               or not isinstance(self.logit_softcap, (int, float))
+                                               or not math.isfinite(self.logit_softcap) or self.logit_softcap <= 0):
+            raise ValueError(f"logit_softcap must be a number > 0 (as 15 or 30) or null, got {self.logit_softcap!r}")
         for key in ("init_std", "layer_norm_epsilon"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)!r}")

@@ -51,6 +51,9 @@ POSITION_SCHEMES = {
     # Llama-style: rotary, grouped-query attention, SwiGLU, RMSNorm, no biases, untied head.
     "llama": dict(learned_pos_emb=False, rope=True, kv_n_heads=2, ffn_type="glu", ffn_act="silu",
                   norm_type="rmsnorm", no_bias=True, tie_word_embeddings=False),
+    # modded-nanogpt's recipe: rotary, QK-norm, a ReLU^2 MLP, RMSNorm, untied head, soft-capped logits
+    "recipe": dict(learned_pos_emb=False, rope=True, qk_norm=True, ffn_type="mlp", ffn_act="relu2",
+                   norm_type="rmsnorm", no_bias=True, tie_word_embeddings=False, logit_softcap=15.0),
 }
 
 

@@ -138,6 +138,8 @@ def test_input_errors():
         (dict(resid_pdrop=1.5), "resid_pdrop must be in"),
         (dict(n_layers=0), "n_layers must be a positive integer"),
         (dict(ffn_act="swish"), "ffn_act must be one of"),
+        (dict(logit_softcap=0), "logit_softcap must be a number > 0"),
+        (dict(qk_norm="yes"), "qk_norm must be true or false"),
     ],
 )
 def test_config_errors_name_the_key(options, message):
@@ -208,3 +210,61 @@ def test_the_model_pickles_and_its_parameters_are_plain_tensors(tmp_path):
     assert vector.numel() == model.num_parameters()
     save_file(model.state_dict(), tmp_path / "w.safetensors")
     assert load_file(tmp_path / "w.safetensors").keys() == model.state_dict().keys()
+
+
+# -- the speedrun recipe's parts (MosaicGPTConfig: qk_norm, relu2, logit_softcap, zero_init_residual)
+@torch.no_grad()
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(0))
+    for qk_norm in (True, False):
+        model = tiny_model("rope", qk_norm=qk_norm)
+        before = model(ids).logits
+        for block in model.blocks:  # queries and keys 3x larger: their RMS norm undoes it
+            rows = block.attn.n_heads * block.attn.head_dim + block.attn.kv_n_heads * block.attn.head_dim
+            block.attn.Wqkv.weight[:rows] *= 3.0
+        after = model(ids).logits
+        if qk_norm:
+            torch.testing.assert_close(after, before, atol=1e-4, rtol=0)
+        else:
+            assert (after - before).abs().max() > 0.1
+
+
+@torch.no_grad()
+def test_soft_capped_logits_are_the_capped_tanh_of_the_plain_ones():
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    capped = tiny_model("llama", logit_softcap=1.5)
+    plain = tiny_model("llama")
+    plain.load_state_dict(capped.state_dict())
+    raw = plain(ids).logits
+    assert raw.abs().max() > 3  # the cap bites
+    torch.testing.assert_close(capped(ids).logits, 1.5 * torch.tanh(raw / 1.5), atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_relu2_mlp_and_zero_initialized_residual_projections():
+    model = MosaicGPT(MosaicGPTConfig(vocab_size=61, max_seq_len=32, d_model=32, n_heads=4, n_layers=2,
+                                      ffn_act="relu2", zero_init_residual=True))
+    ffn = model.blocks[0].ffn
+    x = torch.randn(3, 32)
+    torch.nn.init.normal_(ffn.down_proj.weight)
+    torch.testing.assert_close(ffn(x), ffn.down_proj(torch.relu(ffn.up_proj(x)) ** 2))
+    # every block starts as the identity: both projections into the residual stream are zero
+    fresh = MosaicGPT(MosaicGPTConfig(vocab_size=61, max_seq_len=32, d_model=32, n_heads=4, n_layers=2,
+                                      zero_init_residual=True))
+    assert all(not b.attn.out_proj.weight.any() and not b.ffn.down_proj.weight.any() for b in fresh.blocks)
+    ids = torch.randint(0, 61, (1, 8))
+    embedded = fresh.wte(ids) + fresh.wpe(torch.arange(8))
+    torch.testing.assert_close(fresh(ids).logits, fresh.norm_f(embedded) @ fresh.wte.weight.T)
+
+
+@pytest.mark.parametrize("options", [dict(qk_norm=True), dict(logit_softcap=30.0)])
+def test_recipe_options_no_export_format_has_are_refused_there(options):
+    from llm.formats.transformers import architecture
+
+    config = MosaicGPTConfig(**{**dict(vocab_size=61, max_seq_len=32, d_model=32, n_heads=4, n_layers=2,
+                                       learned_pos_emb=False, rope=True, ffn_type="glu", ffn_act="silu",
+                                       norm_type="rmsnorm", no_bias=True), **options})
+    with pytest.raises(ValueError, match=f"{next(iter(options))}: none of the architectures"):
+        architecture(config)
+    assert architecture(MosaicGPTConfig(**{**config.to_dict(), "qk_norm": False, "logit_softcap": None,
+                                           "zero_init_residual": True})) == "llama"

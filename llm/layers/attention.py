@@ -268,6 +268,7 @@ class MultiheadAttention(cpu_quant.Watched, nn.Module):
         self.head_dim = config.head_dim
         self.attn_impl = config.attn_impl
         self.attn_pdrop = config.attn_pdrop
+        self.qk_norm, self.qk_norm_eps = config.qk_norm, config.layer_norm_epsilon
         bias = not config.no_bias
         self.Wqkv = Linear(config.d_model, (self.n_heads + 2 * self.kv_n_heads) * self.head_dim, bias=bias)
         self.out_proj = Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
@@ -301,11 +302,12 @@ class MultiheadAttention(cpu_quant.Watched, nn.Module):
         """
         batch, seq, _ = x.shape
         qkv = self.Wqkv(x).view(batch, seq, self.n_heads + 2 * self.kv_n_heads, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split([self.n_heads + self.kv_n_heads, self.kv_n_heads], dim=1)
+        if self.qk_norm:  # every query and key head to unit RMS, before positions (modded-nanogpt)
+            qk = F.rms_norm(qk, (self.head_dim,), eps=self.qk_norm_eps)
         if rotary is not None:  # queries and keys rotated in one call
-            qk, v = qkv.split([self.n_heads + self.kv_n_heads, self.kv_n_heads], dim=1)
-            q, k = rotary(qk).split([self.n_heads, self.kv_n_heads], dim=1)
-        else:
-            q, k, v = qkv.split([self.n_heads, self.kv_n_heads, self.kv_n_heads], dim=1)
+            qk = rotary(qk)
+        q, k = qk.split([self.n_heads, self.kv_n_heads], dim=1)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx, cache_position)
         out = attention_heads(

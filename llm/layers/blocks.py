@@ -23,7 +23,7 @@ class MosaicGPTBlock(cpu_quant.Watched, nn.Module):
 
     A step over a cache buffer (float32 on the CPU, no gradient, a mask and ``cache_position``)
     goes to :func:`llm.kernels.cpu_quant.decoder_blocks` when the block is Llama's (RMSNorm, rotary
-    or no positions, SiLU-gated FFN, no biases; head_dim a multiple of 16 up to 128) and its five
+    or no positions, SiLU-gated FFN, no biases, no QK-norm; head_dim a multiple of 16 up to 128) and its five
     projections are quantized on our kernels, unless ``fused_decode`` is False (tests compare the
     two); any other block or step takes the layers one by one. :func:`forward_blocks` runs
     consecutive such blocks in one call.
@@ -71,7 +71,7 @@ class MosaicGPTBlock(cpu_quant.Watched, nn.Module):
         attn, ffn, norm_1, norm_2 = self.attn, self.ffn, self.norm_1, self.norm_2
         layers = (attn._modules.get("Wqkv"), attn._modules.get("out_proj"), ffn._modules.get("gate_proj"),
                   ffn._modules.get("up_proj"), ffn._modules.get("down_proj"))
-        if not (attn.decode_kernel and attn.head_dim % 16 == 0 and attn.head_dim <= 128
+        if not (attn.decode_kernel and not attn.qk_norm and attn.head_dim % 16 == 0 and attn.head_dim <= 128
                 and isinstance(ffn, GLU) and ffn.act is F.silu
                 and isinstance(norm_1, RMSNorm) and isinstance(norm_2, RMSNorm) and norm_1.eps == norm_2.eps
                 and norm_1.weight.dtype == norm_2.weight.dtype == torch.float32):

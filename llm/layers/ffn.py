@@ -14,6 +14,7 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (So et al. 2021, "Primer")
     "silu": F.silu,
 }
 

@@ -74,12 +74,15 @@ def _find_run(model) -> FusedRun | None:
 
 def output_logits(model, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """The final norm and the output layer: (batch, seq, d_model) -> (batch, seq, vocab_size);
-    ``fused``: the norm as the fused kernel's (each row summed alone, in double)."""
+    ``fused``: the norm as the fused kernel's (each row summed alone, in double). With
+    ``logit_softcap`` c, the logits are ``c * tanh(logits / c)`` (Gemma 2's soft-capping)."""
     if fused:
         x = cpu_quant.rms_norm(x, model.norm_f.weight, model.norm_f.eps)
     else:
         x = model.norm_f(x)
-    return model.lm_head(x) if model.lm_head is not None else linear(x, model.wte.weight)
+    logits = model.lm_head(x) if model.lm_head is not None else linear(x, model.wte.weight)
+    cap = model.config.logit_softcap
+    return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
 def blocks_over_buffer(model, x: torch.Tensor, cache: Cache, attention_mask: torch.Tensor | None, past: int,

@@ -85,10 +85,14 @@ class MosaicGPT(nn.Module):
         # (version key of the weights, their weights_digest) once known: llm.bundle.model_identity
         self._digest: tuple[tuple, str] | None = None
         self.apply(self._init_weights)
-        # GPT-2's scaled init of the projections into the residual stream (Radford et al. 2019).
+        # GPT-2's scaled init of the projections into the residual stream (Radford et al. 2019),
+        # or zeros (zero_init_residual: modded-nanogpt's, each block starts as the identity)
         for name, param in self.named_parameters():
             if name.endswith(("out_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
+                if config.zero_init_residual:
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=config.init_std / math.sqrt(2 * config.n_layers))
 
     @classmethod
     def empty(cls, config: MosaicGPTConfig) -> "MosaicGPT":

@@ -7,6 +7,9 @@
   of Composer's checkpoints (``state_dict``), so a resumed run's plot covers the whole run.
 * :class:`ConfigSaver` writes the run's resolved config to ``<folder>/config.yaml`` when ``fit``
   starts.
+* :class:`RunPlan` says, when ``fit`` starts, how many batches, tokens and epochs the run makes
+  (from ``max_duration`` and the training data's size), and after its first batches how long
+  it will take at the speed measured.
 * :class:`StopOnNonFiniteLoss` ends the run with :class:`NonFiniteLossError` at the first batch
   whose loss is NaN or infinite, before that batch's optimizer step and checkpoint, so nothing
   NaN is saved.
@@ -167,3 +170,80 @@ class ConfigSaver(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() == 0:
             _replace_file(self.path, lambda p: p.write_text(self.yaml))
+
+
+class RunPlan(Callback):
+    """Lines on stderr (rank 0) that size the run against its data: at ``fit_start``, the batches
+    left, the tokens per batch and per epoch and the epochs the run makes (``max_duration`` in
+    batches, epochs, samples or tokens); after batch ``after`` of this process, the time left at
+    the speed of its batches so far, the first (which may compile) left out.
+
+    Args:
+        tokens_per_sample: the sequence length (text batches are full rows of it); None for
+            padded batches of varying length (fine-tuning), counted in samples instead.
+        after: the batch after which the time is estimated.
+    """
+
+    def __init__(self, tokens_per_sample: int | None, after: int = 10):
+        self.tokens_per_sample, self.after = tokens_per_sample, after
+        self._batches: int | None = None
+        self._seen, self._start = 0, None
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        import sys
+
+        batches = self._total_batches(state)
+        if batches is None or state.dataloader_len is None:
+            return
+        done = int(state.timestamp.batch)
+        self._batches = batches - done
+        per_epoch, samples = int(state.dataloader_len), self._samples_per_batch(state)
+        unit = "samples" if self.tokens_per_sample is None else "tokens"
+        size = samples * (self.tokens_per_sample or 1)
+
+        def amount(n: int) -> str:
+            return f"{n / 1e6:.2f}M {unit}" if n >= 1e6 else f"{n:,} {unit}"
+
+        if dist.get_global_rank() == 0:
+            print(f"run plan: {batches} batches of {amount(size)} ({amount(batches * size)}), an epoch is {per_epoch} "
+                  f"batches ({amount(per_epoch * size)}): {batches / per_epoch:.2f} epochs"
+                  + (f"; resuming at batch {done}" if done else ""), file=sys.stderr, flush=True)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        import sys
+        import time
+
+        if self._batches is None:
+            return
+        self._seen += 1
+        if self._seen == 1:
+            self._start = time.perf_counter()
+        elif self._seen == self.after and dist.get_global_rank() == 0:
+            per_batch = (time.perf_counter() - self._start) / (self._seen - 1)
+            left = self._batches - self._seen
+            print(f"run plan: {per_batch:.2f} s per batch over batches 2-{self._seen}: about "
+                  f"{left * per_batch / 60:.1f} minutes of training left (evaluations not counted)",
+                  file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _samples_per_batch(state: State) -> int:
+        loader = state.train_dataloader
+        return int(getattr(loader, "batch_size", 0) or 0) * dist.get_world_size()
+
+    def _total_batches(self, state: State) -> int | None:
+        from composer.core import TimeUnit
+
+        total = state.max_duration
+        if total is None:
+            return None
+        per_epoch = int(state.dataloader_len) if state.dataloader_len is not None else None
+        samples = self._samples_per_batch(state)
+        if total.unit == TimeUnit.BATCH:
+            return int(total.value)
+        if total.unit == TimeUnit.EPOCH and per_epoch:
+            return int(total.value) * per_epoch
+        if total.unit == TimeUnit.SAMPLE and samples:
+            return -(-int(total.value) // samples)
+        if total.unit == TimeUnit.TOKEN and samples and self.tokens_per_sample:
+            return -(-int(total.value) // (samples * self.tokens_per_sample))
+        return None

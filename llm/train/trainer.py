@@ -61,7 +61,7 @@ from llm.train.builders import (
     token_counting_data_spec,
 )
 from llm.utils.config import ConfigError
-from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter, StopOnNonFiniteLoss
+from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter, RunPlan, StopOnNonFiniteLoss
 from llm.train.checkpointing import (
     adopt_earlier_checkpoints,
     check_checkpoint,
@@ -274,6 +274,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         autoresume=cfg["autoresume"],
         parallelism_config=cfg["parallelism_config"],
         callbacks=[StopOnNonFiniteLoss(), CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
+                   RunPlan(max_seq_len if cfg["train_loader"].get("name", "text") == "text" else None),
                    SpeedMonitor(window_size=10, gpu_flops_available=peak_flops(cfg)), *callbacks],
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)

@@ -44,10 +44,15 @@ def test_fit_lowers_the_training_loss(tiny_cfg):
     trainer.close()
 
 
-def test_train_checkpoints_resumes_and_exports(tiny_cfg, tiny_data):
+def test_train_checkpoints_resumes_and_exports(tiny_cfg, tiny_data, capfd):
     save_folder = Path(tiny_cfg.save_folder)
     first = train(tiny_cfg)
     assert (first["start_batch"], first["batches"]) == (0, 6)
+    # the run sized against its data before the first batch: 16 rows of 32 tokens a batch
+    train_rows = json.loads((tiny_data / "llm_data.json").read_text())["splits"]["train"]["rows"]
+    per_epoch = train_rows * 2 // 16  # two 32-token sequences a prepared row, drop_last
+    assert (f"run plan: 6 batches of 512 tokens (3,072 tokens), an epoch is {per_epoch} batches "
+            f"({per_epoch * 512:,} tokens): {6 / per_epoch:.2f} epochs\n") in capfd.readouterr().err
     checkpoint = save_folder / "ep0-ba6-rank0.pt"
     assert checkpoint.is_file() and (save_folder / "ep0-ba3-rank0.pt").is_file()
     assert first["checkpoint"] == os.path.realpath(checkpoint)
@@ -75,6 +80,8 @@ def test_train_checkpoints_resumes_and_exports(tiny_cfg, tiny_data):
     tiny_cfg.max_duration = "9ba"
     second = train(tiny_cfg)
     assert (second["start_batch"], second["batches"]) == (6, 9)
+    err = capfd.readouterr().err
+    assert "run plan: 9 batches of 512 tokens (4,608 tokens)" in err and "; resuming at batch 6\n" in err
     assert (save_folder / "ep0-ba9-rank0.pt").is_file()
 
     # autoresume picks the newest checkpoint in save_folder by itself.
