@@ -79,8 +79,29 @@ def run(command: str, argv: list[str] | None = None, prog: str | None = None) ->
     except BrokenPipeError:  # the reader went away (| head): stop quietly, as tools do on SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error flushing stdout at exit
         return 141
+    except (OSError, RuntimeError) as err:
+        if not disk_full(err):
+            raise
+        print(f"{prog}: error: the disk is full ({' '.join(str(err).split())[:200]}); nothing half-written was "
+              "kept (writes are atomic): free some space or write elsewhere, and run the command again (training "
+              "resumes from its newest checkpoint)", file=sys.stderr)
+        return 1
     finally:
         warnings.showwarning = shown
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what it was raised from) says a write found no space: ``OSError``
+    ENOSPC or EDQUOT, or torch's ``RuntimeError`` from ``torch.save`` ("file write failed")."""
+    import errno
+
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(err, RuntimeError) and ("file write failed" in str(err) or "No space left" in str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 if __name__ == "__main__":

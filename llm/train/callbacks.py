@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from composer.core import Callback, State
+from composer.core import Callback, State, TimeUnit
 from composer.loggers import Logger
 from composer.utils import dist
 from omegaconf import DictConfig, OmegaConf
@@ -190,8 +192,6 @@ class RunPlan(Callback):
         self._seen, self._start = 0, None
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        import sys
-
         batches = self._total_batches(state)
         if batches is None or state.dataloader_len is None:
             return
@@ -210,9 +210,6 @@ class RunPlan(Callback):
                   + (f"; resuming at batch {done}" if done else ""), file=sys.stderr, flush=True)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        import sys
-        import time
-
         if self._batches is None:
             return
         self._seen += 1
@@ -221,7 +218,7 @@ class RunPlan(Callback):
         elif self._seen == self.after and dist.get_global_rank() == 0:
             per_batch = (time.perf_counter() - self._start) / (self._seen - 1)
             left = self._batches - self._seen
-            print(f"run plan: {per_batch:.2f} s per batch over batches 2-{self._seen}: about "
+            print(f"run plan: {per_batch:.2f} s per batch over this run's batches 2-{self._seen}: about "
                   f"{left * per_batch / 60:.1f} minutes of training left (evaluations not counted)",
                   file=sys.stderr, flush=True)
 
@@ -231,8 +228,6 @@ class RunPlan(Callback):
         return int(getattr(loader, "batch_size", 0) or 0) * dist.get_world_size()
 
     def _total_batches(self, state: State) -> int | None:
-        from composer.core import TimeUnit
-
         total = state.max_duration
         if total is None:
             return None

@@ -3,6 +3,7 @@ and registered names resolving from any folder."""
 
 import importlib
 import io
+import os
 import string
 import subprocess
 import sys
@@ -219,3 +220,28 @@ def test_a_reader_that_goes_away_ends_a_command_quietly_with_141(monkeypatch, ca
     monkeypatch.setattr(main.sys, "stdout", type("Out", (), {"fileno": lambda self: 1})())
     assert main.main(["generate", "--model", "x"]) == 141
     assert redirected == [1] and capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (every write: no space left)")
+@pytest.mark.parametrize("writer", ["torch.save", "open"])
+def test_a_full_disk_is_one_line_and_any_other_error_still_raises(writer, monkeypatch, capsys):
+    from llm.cli import train
+
+    def fills_the_disk(argv, prog):  # /dev/full answers every write as a full disk does (ENOSPC)
+        if writer == "torch.save":
+            torch.save(torch.zeros(100_000), "/dev/full")
+        with open("/dev/full", "w") as f:
+            f.write("x" * 100_000)
+
+    monkeypatch.setattr(train, "main", fills_the_disk)
+    assert main.main(["train", "configs/shakespeare.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llm train: error: the disk is full (") and err.count("\n") == 1
+    assert "run the command again (training resumes from its newest checkpoint)" in err
+
+    def fails_otherwise(argv, prog):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(train, "main", fails_otherwise)
+    with pytest.raises(RuntimeError, match="something else"):
+        main.main(["train", "configs/shakespeare.yaml"])
