@@ -86,19 +86,27 @@ class PaddingCollator:
     Args:
         pad_token_id: the id put at padding positions of ``input_ids``.
         padding_side: ``"left"`` or ``"right"``.
+        bucket_to: if given, batches are padded to the next power of two (at least 16) of their
+            longest example, at most ``bucket_to`` (the context): a handful of shapes, so a
+            compiled model compiles once per bucket instead of tracing dynamic lengths (which
+            crashes inductor's backward in torch 2.7 with a size/stride assertion). Padding
+            with labels ``IGNORE_INDEX`` changes no loss.
 
     Raises:
         ValueError: for another padding side.
     """
 
-    def __init__(self, pad_token_id: int, padding_side: str = "right"):
+    def __init__(self, pad_token_id: int, padding_side: str = "right", bucket_to: int | None = None):
         if padding_side not in PADDING_SIDES:
             raise ValueError(f"padding_side must be one of {PADDING_SIDES}, got {padding_side!r}")
         self.pad_token_id = pad_token_id
         self.padding_side = padding_side
+        self.bucket_to = bucket_to
 
     def __call__(self, examples: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         width = max(len(ex["input_ids"]) for ex in examples)
+        if self.bucket_to is not None:
+            width = max(width, min(self.bucket_to, 1 << max(width - 1, 15).bit_length()))
         batch = {"input_ids": [], "labels": [], "attention_mask": []}
         for ex in examples:
             n = len(ex["input_ids"])

@@ -30,9 +30,10 @@ def embed(model, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
     if input_ids is not None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        if input_ids.device.type == "cpu":
+        if input_ids.device.type == "cpu" and not torch.compiler.is_compiling():
             check_token_ids(input_ids, model.config.vocab_size)
-        else:  # checked on the device: reading a result back would stall every decoding step
+        else:  # checked on the device (reading a result back would stall every decoding step) or in
+            # the compiled graph (a Python branch on a tensor would break it: `fullgraph: true`)
             vocab_size = model.config.vocab_size
             torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
                                 f"input_ids hold a token id outside [0, {vocab_size})")
@@ -85,8 +86,8 @@ def padding_mask(model, attention_mask, batch: int, past: int, seq: int, device)
             f"({batch}, {past} + {seq}), got {tuple(attention_mask.shape)}"
         )
     attention_mask = attention_mask.to(device=device, dtype=torch.bool)
-    if attention_mask.device.type != "cpu":  # no host sync on an accelerator: the masked path
-        return attention_mask
+    if attention_mask.device.type != "cpu" or torch.compiler.is_compiling():
+        return attention_mask  # no host sync on an accelerator, no graph break compiled: the masked path
     return None if bool(attention_mask.all()) else attention_mask  # no padding: the unmasked fast paths
 
 
@@ -107,7 +108,7 @@ def positions(model, x: torch.Tensor, position_ids, attention_mask, past: int):
         raise ValueError(f"position_ids must be (batch or 1, seq) = ({batch}, {seq}), got {tuple(position_ids.shape)}")
     if model.wpe is None:
         return x, model.rotary(position_ids, x.dtype)
-    if position_ids.device.type != "cpu":
+    if position_ids.device.type != "cpu" or torch.compiler.is_compiling():  # no host sync, no graph break
         torch._assert_async((position_ids < model.config.max_seq_len).all(),
                             f"a position is beyond max_seq_len={model.config.max_seq_len}")
     elif int(position_ids.max()) >= model.config.max_seq_len:

@@ -86,10 +86,12 @@ def _loader_options(loader_cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_train_loader(loader_cfg: Mapping[str, Any], sources: list[PreparedSplit], tokenizer, max_seq_len: int,
-                       device_batch_size: int, *, seed: int) -> DataLoader:
+                       device_batch_size: int, *, seed: int, bucketed: bool = False) -> DataLoader:
     """The training loader: a Streaming dataset over ``sources`` (text) or padded fine-tuning batches.
 
-    Text batches are ``{"input_ids", "labels"}`` int64 (device_batch_size, max_seq_len); the
+    ``bucketed`` (a compiled run): fine-tuning batches are padded to power-of-two lengths
+    (:class:`~llm.data.finetune.PaddingCollator`'s ``bucket_to``), so the model compiles once per
+    length. Text batches are ``{"input_ids", "labels"}`` int64 (device_batch_size, max_seq_len); the
     dataset's ``state_dict`` goes into Composer's checkpoints, so a resumed run sees the batches
     an uninterrupted run would.
 
@@ -101,11 +103,11 @@ def build_train_loader(loader_cfg: Mapping[str, Any], sources: list[PreparedSpli
                                       device_batch_size=device_batch_size, seed=seed)
         return DataLoader(dataset, batch_size=device_batch_size, drop_last=loader_cfg.get("drop_last", True),
                           **_loader_options(loader_cfg))
-    return _finetune_loader(loader_cfg, tokenizer, max_seq_len, device_batch_size, seed=seed)
+    return _finetune_loader(loader_cfg, tokenizer, max_seq_len, device_batch_size, seed=seed, bucketed=bucketed)
 
 
 def _finetune_loader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int, device_batch_size: int, *,
-                     seed: int, indices: list[int] | None = None) -> DataLoader:
+                     seed: int, indices: list[int] | None = None, bucketed: bool = False) -> DataLoader:
     from composer.utils import dist
 
     from llm.data.finetune import PaddingCollator, build_finetune_dataset
@@ -117,7 +119,8 @@ def _finetune_loader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int,
     drop_last = loader_cfg.get("drop_last", False)
     sampler = dist.get_sampler(dataset, shuffle=dataset_cfg.get("shuffle", False), drop_last=drop_last, seed=seed)
     return DataLoader(dataset, batch_size=device_batch_size, sampler=sampler, drop_last=drop_last,
-                      collate_fn=PaddingCollator(tokenizer.pad_token_id, dataset_cfg.get("padding_side", "right")),
+                      collate_fn=PaddingCollator(tokenizer.pad_token_id, dataset_cfg.get("padding_side", "right"),
+                                                 bucket_to=max_seq_len if bucketed else None),
                       **_loader_options(loader_cfg))
 
 
@@ -149,12 +152,14 @@ def spread_indices(n: int, max_sequences: int | None) -> list[int]:
 
 
 def build_eval_loaders(loader_cfg: Mapping[str, Any], sources: list[PreparedSplit], tokenizer, seq_len: int,
-                       batch_size: int, *, seed: int, max_sequences: int | None = None) -> list[EvalSet]:
+                       batch_size: int, *, seed: int, max_sequences: int | None = None,
+                       bucketed: bool = False) -> list[EvalSet]:
     """One :class:`EvalSet` per eval stream (text) or one for a fine-tuning file.
 
     Text: the split's ``seq_len``-token sequences in order (or ``max_sequences`` of them evenly
     spread), each rank scoring its share; tokens per byte are the split's (its manifest counts).
-    Fine-tuning: the responses' loss, labelled after the file.
+    Fine-tuning: the responses' loss, labelled after the file; ``bucketed`` as
+    :func:`build_train_loader`'s.
 
     Raises:
         PreparedDataError: if ``seq_len`` exceeds the prepared rows.
@@ -168,7 +173,7 @@ def build_eval_loaders(loader_cfg: Mapping[str, Any], sources: list[PreparedSpli
         examples = load_jsonl(path)
         indices = spread_indices(len(examples), max_sequences)
         loader = _finetune_loader({**loader_cfg, "drop_last": False}, tokenizer, seq_len, batch_size, seed=seed,
-                                  indices=indices)
+                                  indices=indices, bucketed=bucketed)
         predicted = sum(int((item["labels"][1:] != IGNORE_INDEX).sum()) for item in loader.dataset)
         n_bytes = sum(len(examples[i]["response"].encode("utf-8")) for i in indices)
         return [EvalSet(Path(path).stem, loader, len(indices), len(examples), predicted, predicted / n_bytes,

@@ -219,13 +219,16 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     # Seed before building the model so its initial weights depend on the seed alone.
     reproducibility.seed_all(cfg["seed"])
     model = build_model(cfg, data.tokenizer)
-    if cfg["compile_config"] is not None:
-        model.compile_loss(cfg["compile_config"])
+    compile_config = _compile_config(cfg)
+    if compile_config is not None:
+        model.compile_loss(compile_config)
     max_seq_len = model.config.max_seq_len
+    bucketed = compile_config is not None
     train_loader = build_train_loader(cfg["train_loader"], data.train, data.tokenizer, max_seq_len,
-                                      device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"])
+                                      device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"],
+                                      bucketed=bucketed)
     eval_sets = build_eval_loaders(cfg["eval_loader"], data.eval, data.tokenizer, max_seq_len,
-                                   cfg["device_eval_batch_size"], seed=cfg["seed"])
+                                   cfg["device_eval_batch_size"], seed=cfg["seed"], bucketed=bucketed)
     metric_names = list(model.get_metrics(is_train=False))
     evaluators = [Evaluator(label=s.label, dataloader=s.loader, metric_names=metric_names) for s in eval_sets]
     fsdp = (cfg["parallelism_config"] or {}).get("fsdp")
@@ -259,7 +262,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         eval_subset_num_batches=cfg["eval_subset_num_batches"],
         device_train_microbatch_size=cfg["device_train_microbatch_size"],
         precision=composer_precision(cfg["precision"], model),
-        compile_config=cfg["compile_config"],
+        compile_config=compile_config,
         seed=cfg["seed"],
         # a bar redrawn with cursor escapes is noise in a log file: there, one console line per interval
         progress_bar=cfg["progress_bar"] and output_is_terminal(),
@@ -279,6 +282,17 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
+
+
+def _compile_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The run's ``compile_config``: a fine-tuning run's batches come in a few padded lengths (see
+    ``bucketed`` in :func:`~llm.train.builders.build_train_loader`), each compiled statically
+    (``dynamic: false`` unless the config says otherwise): torch 2.7's dynamic-shape backward
+    fails an inductor size/stride assertion on them."""
+    options = cfg["compile_config"]
+    if options is None or cfg["train_loader"].get("name", "text") == "text" or options.get("dynamic") is not None:
+        return options
+    return {**options, "dynamic": False}
 
 
 def output_is_terminal() -> bool:

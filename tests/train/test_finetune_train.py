@@ -114,3 +114,49 @@ def test_train_finetunes_from_load_pretrained(setup, tmp_path):
     assert result["samples"][0].startswith("A:\nWho's there?\n\nB:\n")
     with pytest.raises(ConfigError, match=r"load_pretrained"):
         train({**cfg, "model": {"d_model": 32}})
+
+
+def test_bucketed_padding_changes_no_loss(setup):
+    # batches padded to a power-of-two length (a compiled run's buckets) score the same loss
+    from llm.data.finetune import PaddingCollator, build_finetune_dataset
+    from llm.train.composer_model import next_token_loss
+
+    tokenizer = load_tokenizer(setup["bundle"])
+    model = MosaicGPT.from_pretrained(setup["bundle"]).eval()
+    examples = [build_finetune_dataset(setup["root"] / "validation.jsonl", tokenizer, 128)[i] for i in range(5)]
+    plain = PaddingCollator(tokenizer.pad_token_id)(examples)
+    bucketed = PaddingCollator(tokenizer.pad_token_id, bucket_to=128)(examples)
+    width = plain["input_ids"].shape[1]
+    assert bucketed["input_ids"].shape[1] == min(128, max(16, 1 << (width - 1).bit_length())) > width
+    with torch.no_grad():
+        losses = [next_token_loss(model(b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1],
+                                  b["labels"][:, 1:]) for b in (plain, bucketed)]
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=0)
+
+
+def test_compiled_finetuning_on_padded_batches_of_varying_length(setup, tmp_path):
+    # dynamic lengths crashed inductor's backward (a size/stride assertion): bucketed static shapes
+    # in file order, batches of 4 whose longest example is 13 and then 29 tokens: buckets 16 and 32
+    pairs = [{"prompt": "A:\n", "response": "x" * n} for n in (3, 5, 8, 9, 20, 18, 25, 12)]
+    write_jsonl(pairs, tmp_path / "lengths.jsonl")
+    cfg = tiny_config(setup["data"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="2ba",
+                      eval_interval="2ba", save_interval="2ba", compile_config={}, precision="fp32",
+                      global_train_batch_size=4, device_eval_batch_size=4, eval_subset_num_batches=1)
+    del cfg["model"]
+    cfg["train_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False)
+    cfg["eval_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False)
+    lengths = set()
+    from llm.data import finetune
+
+    collate = finetune.PaddingCollator.__call__
+
+    def recording(self, examples):
+        batch = collate(self, examples)
+        lengths.add(batch["input_ids"].shape[1])
+        return batch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(finetune.PaddingCollator, "__call__", recording)
+        result = train(cfg)
+    assert (result["start_batch"], result["batches"]) == (0, 2) and result["bits_per_byte"] > 0
+    assert lengths == {16, 32}  # two lengths: without buckets, the second compiled with dynamic shapes
