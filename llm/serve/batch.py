@@ -80,22 +80,11 @@ class SlotBatch:
         # a new wrapper: its first call picks the graph for the new shapes
         self._step = compiled_step(decode_one_token, self.compile)
 
-    def has_room(self) -> bool:
-        return len(self) < self.max_slots
-
-    def join(self, row, past) -> None:
-        """Add a row whose prompt is in ``past``: per layer (key, value), each
-        (1, kv_n_heads, P, head_dim) in the model's dtype, P >= 1. Its next token is fed at the
-        next :meth:`step`.
-
-        Raises:
-            RuntimeError: if every slot is taken (check :meth:`has_room`).
-        """
-        self.join_all([(row, past)])
-
     def join_all(self, joining: list) -> None:
-        """Add the ``(row, past)`` pairs of ``joining`` as :meth:`join` does, re-laying out the
-        buffer at most once for all of them (a re-layout allocates and copies the whole buffer).
+        """Add the rows of ``joining``, ``(row, past)`` pairs whose prompt is in ``past``: per layer
+        (key, value), each (1, kv_n_heads, P, head_dim) in the model's dtype, P >= 1. Their next
+        tokens are fed at the next :meth:`step`. The buffer is re-laid out at most once for all of
+        them (a re-layout allocates and copies the whole buffer).
 
         Raises:
             RuntimeError: if they do not all fit in the free slots.

@@ -361,7 +361,9 @@ class Engine:
                 # token, beside the other rows' (a step of its own would cost a forward)
                 self.prefilling.remove(sequence)
                 cache, sequence.prefill_cache = sequence.prefill_cache, None
-                self._joining.append((sequence, layers_of(cache, sequence.prefilled)))
+                # views, not copies (layers_of): joining copies them into the batch's buffer
+                self._joining.append((sequence, [(k[:, :, :sequence.prefilled], v[:, :, :sequence.prefilled])
+                                                 for k, v in cache]))
                 continue
             if left > budget and left <= self.prefill_chunk:
                 continue

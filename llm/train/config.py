@@ -436,13 +436,13 @@ class SchedulerConfig:
         elif self.alpha_f is None:
             self.alpha_f = 0.0
         span = "t_decay" if self.name == "warmup_stable_decay" else "t_max"
-        warmup, t_max = parse_time(self.t_warmup), parse_time(getattr(self, span))
-        if isinstance(warmup, str) or isinstance(t_max, str):
+        warmup, length = parse_time(self.t_warmup), parse_time(getattr(self, span))
+        if isinstance(warmup, str) or isinstance(length, str):
             bad = "t_warmup" if isinstance(warmup, str) else span
             raise ConfigError(bad, f"expected a Composer time string, got {getattr(self, bad)!r}")
-        if span == "t_max" and warmup.unit == t_max.unit and warmup.value > t_max.value:
+        if span == "t_max" and warmup.unit == length.unit and warmup.value > length.value:
             raise ConfigError("t_warmup", f"{self.t_warmup} is longer than t_max {self.t_max}")
-        if span == "t_decay" and warmup.unit.value == t_max.unit.value == "dur" and warmup.value + t_max.value > 1:
+        if span == "t_decay" and warmup.unit.value == length.unit.value == "dur" and warmup.value + length.value > 1:
             raise ConfigError("t_decay", f"warmup {self.t_warmup} and decay {self.t_decay} overlap (more than 1dur)")
 
 

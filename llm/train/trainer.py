@@ -219,7 +219,8 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     # Seed before building the model so its initial weights depend on the seed alone.
     reproducibility.seed_all(cfg["seed"])
     model = build_model(cfg, data.tokenizer)
-    compile_config = _compile_config(cfg)
+    text = cfg["train_loader"].get("name", "text") == "text"
+    compile_config = _compile_config(cfg["compile_config"], text)
     if compile_config is not None:
         model.compile_loss(compile_config)
     max_seq_len = model.config.max_seq_len
@@ -277,20 +278,19 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         autoresume=cfg["autoresume"],
         parallelism_config=cfg["parallelism_config"],
         callbacks=[StopOnNonFiniteLoss(), CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
-                   RunPlan(max_seq_len if cfg["train_loader"].get("name", "text") == "text" else None),
+                   RunPlan(max_seq_len if text else None),
                    SpeedMonitor(window_size=10, gpu_flops_available=peak_flops(cfg)), *callbacks],
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
 
 
-def _compile_config(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The run's ``compile_config``: a fine-tuning run's batches come in a few padded lengths (see
-    ``bucketed`` in :func:`~llm.train.builders.build_train_loader`), each compiled statically
-    (``dynamic: false`` unless the config says otherwise): torch 2.7's dynamic-shape backward
-    fails an inductor size/stride assertion on them."""
-    options = cfg["compile_config"]
-    if options is None or cfg["train_loader"].get("name", "text") == "text" or options.get("dynamic") is not None:
+def _compile_config(options: dict[str, Any] | None, text: bool) -> dict[str, Any] | None:
+    """The run's ``compile_config`` (``options``): a fine-tuning run's (not ``text``) batches come
+    in a few padded lengths (see ``bucketed`` in :func:`~llm.train.builders.build_train_loader`),
+    each compiled statically (``dynamic: false`` unless the config says otherwise): torch 2.7's
+    dynamic-shape backward fails an inductor size/stride assertion on them."""
+    if options is None or text or options.get("dynamic") is not None:
         return options
     return {**options, "dynamic": False}
 
