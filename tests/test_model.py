@@ -257,14 +257,17 @@ def test_relu2_mlp_and_zero_initialized_residual_projections():
     torch.testing.assert_close(fresh(ids).logits, fresh.norm_f(embedded) @ fresh.wte.weight.T)
 
 
-@pytest.mark.parametrize("options", [dict(qk_norm=True), dict(logit_softcap=30.0)])
+@pytest.mark.parametrize("options", [dict(qk_norm=True), dict(logit_softcap=30.0), dict(ffn_act="relu2")])
 def test_recipe_options_no_export_format_has_are_refused_there(options):
     from llm.formats.transformers import architecture
 
     config = MosaicGPTConfig(**{**dict(vocab_size=61, max_seq_len=32, d_model=32, n_heads=4, n_layers=2,
                                        learned_pos_emb=False, rope=True, ffn_type="glu", ffn_act="silu",
                                        norm_type="rmsnorm", no_bias=True), **options})
-    with pytest.raises(ValueError, match=f"{next(iter(options))}: none of the architectures"):
+    name = " ".join(f"{k}" if v is True or isinstance(v, float) else f"{k} {v}" for k, v in options.items())
+    with pytest.raises(ValueError, match=f"^{name}: none of the architectures .* has it;"):
         architecture(config)
+    with pytest.raises(ValueError, match="^qk_norm and logit_softcap and ffn_act relu2: .* has them;"):
+        architecture(MosaicGPTConfig(**{**config.to_dict(), "qk_norm": True, "logit_softcap": 30.0, "ffn_act": "relu2"}))
     assert architecture(MosaicGPTConfig(**{**config.to_dict(), "qk_norm": False, "logit_softcap": None,
-                                           "zero_init_residual": True})) == "llama"
+                                           "ffn_act": "silu", "zero_init_residual": True})) == "llama"

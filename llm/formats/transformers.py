@@ -43,10 +43,12 @@ def architecture(config: MosaicGPTConfig) -> str:
         ValueError: naming the options no transformers architecture expresses together.
     """
     c = config
-    recipe = [k for k, on in (("qk_norm", c.qk_norm), ("logit_softcap", c.logit_softcap is not None)) if on]
+    recipe = [k for k, on in (("qk_norm", c.qk_norm), ("logit_softcap", c.logit_softcap is not None),
+                              ("ffn_act relu2", c.ffn_act == "relu2")) if on]
     if recipe:
         raise ValueError(f"{' and '.join(recipe)}: none of the architectures a model exports as (Llama, GPT-2, "
-                         "MPT) has it; a model trained with it runs here only")
+                         f"MPT) has {'them' if len(recipe) > 1 else 'it'}; a model trained with "
+                         f"{'them' if len(recipe) > 1 else 'it'} runs here only")
     if c.rope:
         wrong = [f"{k}={getattr(c, k)!r} (Llama needs {v!r})" for k, v in
                  (("ffn_type", "glu"), ("ffn_act", "silu"), ("norm_type", "rmsnorm")) if getattr(c, k) != v]

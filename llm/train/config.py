@@ -607,6 +607,15 @@ class RunConfig:
                 raise ConfigError("scheduler.t_warmup", f"{self.scheduler.t_warmup} is longer than "
                                                         f"max_duration {self.max_duration}: shorten it, e.g. "
                                                         f"scheduler.t_warmup=0.1dur (a tenth of the run)")
+            if self.scheduler.t_decay is not None and not isinstance(duration, str):
+                decay = parse_time(self.scheduler.t_decay)
+                if decay.unit.value != "dur" and (decay.unit != duration.unit or decay.value > duration.value):
+                    raise ConfigError("scheduler.t_decay", f"{self.scheduler.t_decay} must be in max_duration's unit "
+                                                           f"and at most {self.max_duration}, or a fraction of the "
+                                                           "run (as 0.3dur)")
+                if warmup.unit == decay.unit == duration.unit and warmup.value + decay.value > duration.value:
+                    raise ConfigError("scheduler.t_decay", f"warmup {self.scheduler.t_warmup} and decay "
+                                                           f"{self.scheduler.t_decay} overlap in {self.max_duration}")
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as plain dicts and lists (for ``config.yaml``)."""

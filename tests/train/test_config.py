@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -388,3 +389,12 @@ def test_cli_an_interrupted_run_says_what_it_left(config_file, tmp_path, monkeyp
     monkeypatch.setattr(llm.train, "train", lambda cfg: (_ for _ in ()).throw(SystemExit(3)))
     with pytest.raises(SystemExit):
         main([str(config_file)])
+
+
+def test_a_decay_that_does_not_fit_the_run_is_refused_before_training():
+    wsd = "scheduler.name=warmup_stable_decay"
+    assert re.match(r"scheduler\.t_decay: 3ep must be in max_duration's unit", refused(wsd, "scheduler.t_decay=3ep"))
+    assert re.match(r"scheduler\.t_decay: 100000ba must be", refused(wsd, "scheduler.t_decay=100000ba"))
+    duration = int(BASE["max_duration"].removesuffix("ba"))
+    assert "overlap" in refused(wsd, f"scheduler.t_warmup={duration - 1}ba", "scheduler.t_decay=2ba")
+    load_train_config(with_overrides(wsd, "scheduler.t_decay=0.3dur"))
