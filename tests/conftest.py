@@ -9,10 +9,15 @@ from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
 from llm.quant import quantize
+from llm.utils.home import use_inductor_cache
 
 # The test models are tiny: one thread is faster than two, and immune to a busy second core
 # (two spinning OpenMP threads on a shared core made small forwards 30x slower here).
 torch.set_num_threads(1)
+
+# Every worker and the processes it starts compile into the one inductor cache of this CPU model,
+# whichever test compiles first (generation and training both point there, and a test may do either).
+use_inductor_cache()
 
 # Every Streaming dataset attaches the shared memory of every earlier dataset's prefix and keeps it
 # open for the life of the process: over a whole suite that outgrows a default limit of 1024 files.

@@ -18,20 +18,19 @@ or the call, so that ``torch.compile`` compiles each of the three steps once and
   and step).
 
 The compiled artifacts are cached on disk by inductor (FX graph and AOTAutograd caches) under
-``$TORCHINDUCTOR_CACHE_DIR``, by default ``$LLM_HOME/inductor`` (``~/.cache/llm/inductor``),
+``$TORCHINDUCTOR_CACHE_DIR``, by default ``$LLM_HOME/inductor/<machine>`` (one folder per CPU model),
 so a later process loads them instead of compiling. When compiling fails (no working C++
 compiler), decoding warns once per process and runs the same static-cache path uncompiled.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from llm.cache import Cache, StaticCache
-from llm.utils.home import llm_home
+from llm.utils.home import use_inductor_cache
 
 #: Tokens per prefill forward; a prompt takes ceil(length / PREFILL_CHUNK) forwards.
 PREFILL_CHUNK = 32
@@ -80,11 +79,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _cache_dir() -> None:
-    """Point inductor's on-disk caches at a stable per-user folder unless the user chose one."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(llm_home() / "inductor"))
-
-
 def compiled_step(fn, compile: bool):
     """``fn`` (one of this module's step functions) through ``torch.compile``, or ``fn`` itself.
 
@@ -94,7 +88,7 @@ def compiled_step(fn, compile: bool):
     """
     if not compile or _failure is not None:
         return fn
-    _cache_dir()
+    use_inductor_cache()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _RECOMPILE_LIMIT)
     # Inductor's checks of every input's size and stride at every call: the guards of the first
     # call (below) have checked them, and later calls pass the same tensors.

@@ -49,6 +49,7 @@ from llm.data.streaming import clean_stale_registrations
 from llm.io import atomic_write
 from llm.model import MosaicGPT
 from llm.utils.cpu import native_bf16
+from llm.utils.home import use_inductor_cache
 from llm.train.builders import (
     EvalSet,
     RunData,
@@ -222,6 +223,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     text = cfg["train_loader"].get("name", "text") == "text"
     compile_config = _compile_config(cfg["compile_config"], text)
     if compile_config is not None:
+        use_inductor_cache()
         model.compile_loss(compile_config)
     max_seq_len = model.config.max_seq_len
     bucketed = compile_config is not None

@@ -6,6 +6,7 @@ which dequantizes and un-permutes the query/key rows independently of ours: a wr
 rotate the wrong pairs of coordinates and the logits would not match.
 """
 
+import mmap
 import os
 
 import numpy as np
@@ -426,32 +427,33 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
         assert read_field(ours, key) == read_field(stock, key) == value, key
 
 
-def _resident_kb(path) -> int:
-    """Resident KB of this process's mappings of ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        if "-" in line.split(" ", 1)[0]:
-            inside = line.rstrip().endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1])
-    return total
+def _present_pages(array: np.ndarray, start: int, end: int) -> tuple[int, int]:
+    """(present, whole) pages of ``array``'s bytes ``[start, end)`` in this process (/proc/self/pagemap,
+    bit 63 of each page's entry): only the pages wholly inside the range, which no neighbour shares."""
+    page = mmap.PAGESIZE
+    first = (array.ctypes.data + start + page - 1) // page
+    last = (array.ctypes.data + end) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()), last - first
 
 
 @needs_file
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="reads /proc/self/pagemap")
 def test_converted_tensors_give_their_file_pages_back():
     from llm.utils.gguf import read_gguf
 
     reader = read_gguf(GGUF)
     config = gguf_module.gguf_config(reader)
     parts = gguf_module._sources(reader, config)["blocks.0.ffn.gate_proj.weight"]
-    before = _resident_kb(GGUF)
+    tensor = parts[0][0]
+    span = (int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes))
     gguf_module._native_int4(parts, reader.path)
-    read = _resident_kb(GGUF) - before
-    assert read >= int(parts[0][0].n_bytes) // 1024 - 8  # the tensor's pages were read in
+    present, pages = _present_pages(reader.data, *span)
+    assert pages > 100 and present == pages  # the tensor's pages were read in
     gguf_module._release(reader, parts)
-    # what stays: neighbours' pages that the kernel's fault-around mapped with them (64 KB a side)
-    assert _resident_kb(GGUF) - before <= 128 < read
+    assert _present_pages(reader.data, *span) == (0, pages)
 
 
 def test_the_head_is_packed_block_by_block_as_the_whole_table_would_be(tmp_path, monkeypatch):
