@@ -239,12 +239,12 @@ class _Documents:
         sources = self.validation_sources if split == "validation" and self.separate else self.train_sources
         with open(self.held_out, "w", encoding="utf-8") if spool else contextlib.nullcontext() as f:
             for doc in iter_documents(sources, **self.read):
-                self.seen += 1
+                self.seen += doc.end
                 if not self.separate and self.fraction > 0 and in_validation(doc.identity, self.seed, self.fraction):
                     if split == "validation":
                         yield doc
                     elif f is not None:
-                        f.write(json.dumps([doc.text, doc.identity, doc.replacements]) + "\n")
+                        f.write(json.dumps([doc.text, doc.identity, doc.replacements, doc.end]) + "\n")
                 elif split == "train" or self.separate:
                     yield doc
 
@@ -387,23 +387,26 @@ def _bar(desc: str, progress: bool):
 def _texts(documents: Iterator[Document], bar, count: list[int]) -> Iterator[str]:
     for doc in documents:
         bar.update(len(doc.text.encode("utf-8")))
-        count[0] += 1
+        count[0] += doc.end
         yield doc.text
 
 
-def _batches(documents: Iterator[Document]) -> Iterator[tuple[list[str], tuple[int, int, int]]]:
-    """Documents grouped into batches: (texts, (documents, UTF-8 bytes, replacements))."""
-    texts, n_bytes, replaced = [], 0, 0
+def _batches(documents: Iterator[Document]) -> Iterator[tuple[tuple[list[str], list[bool]], tuple[int, int, int]]]:
+    """Documents grouped into batches: ((texts, ends), (documents, UTF-8 bytes, replacements)),
+    ``ends[i]`` False where ``texts[i]`` is a piece that its document's next piece continues."""
+    texts, ends, n_docs, n_bytes, replaced = [], [], 0, 0, 0
     for doc in documents:
         text = doc.text
         texts.append(text)
+        ends.append(doc.end)
+        n_docs += doc.end
         n_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))  # isascii: a flag, no scan
         replaced += doc.replacements
         if n_bytes >= _BATCH_BYTES or len(texts) >= _BATCH_DOCS:
-            yield texts, (len(texts), n_bytes, replaced)
-            texts, n_bytes, replaced = [], 0, 0
+            yield (texts, ends), (n_docs, n_bytes, replaced)
+            texts, ends, n_docs, n_bytes, replaced = [], [], 0, 0, 0
     if texts:
-        yield texts, (len(texts), n_bytes, replaced)
+        yield (texts, ends), (n_docs, n_bytes, replaced)
 
 
 class _ShardWriter:

@@ -1,9 +1,11 @@
 """Corpus sources for data preparation: files, folders and globs of plain text, JSON Lines, Parquet
 and Hugging Face ``save_to_disk`` datasets, streamed one document at a time.
 
-Memory stays bounded whatever the corpus size: text and JSON Lines files are read line by line,
-Parquet files in record batches and Hugging Face datasets (memory-mapped Arrow) in batches of
-rows. The one exception is ``split_documents="file"``, where a whole text file is one document.
+Memory stays bounded whatever the corpus size and whatever the length of a line or a document:
+text files are read in blocks of 1 MiB, JSON Lines files a record at a time, Parquet files in
+record batches and Hugging Face datasets (memory-mapped Arrow) in batches of rows, and a document
+longer than :data:`PIECE_CHARS` comes in pieces (:class:`Document` ``end``), each cut where every
+tokenizer's pre-tokenization splits anyway, so that its tokens are the whole document's.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ _HF_DATASET_MARKERS = ("state.json", "dataset_info.json")
 _HF_DICT_MARKER = "dataset_dict.json"
 _BATCH_ROWS = 1024
 _BLOCK_BYTES = 1 << 20
+#: A document longer than this many characters is read and tokenized in pieces of at most this size.
+PIECE_CHARS = 1 << 16
 
 
 class DataError(ValueError):
@@ -50,12 +54,15 @@ class Source:
 class Document:
     """One document: its ``text``, its ``identity`` (``"NAME:INDEX"``, NAME its source's name and
     INDEX its 0-based position among the units the source holds: files, paragraphs, lines or
-    records) and ``replacements``, the invalid UTF-8 sequences decoded as U+FFFD (0 unless
-    ``encoding_errors="replace"``)."""
+    records), ``replacements``, the invalid UTF-8 sequences decoded as U+FFFD (0 unless
+    ``encoding_errors="replace"``), and ``end``: False for a piece of a long document that more
+    pieces of the same identity follow (its text continues in the next piece, with no end of
+    document between them)."""
 
     text: str
     identity: str
     replacements: int = 0
+    end: bool = True
 
 
 def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
@@ -186,7 +193,7 @@ def input_fingerprint(sources: Sequence[Source]) -> list[dict]:
 def read_documents(source: Source, *, text_field: str = "text", split_documents: str = "file",
                    encoding_errors: str = "strict") -> Iterator[Document]:
     """Yield the non-empty documents of ``source``, one at a time (empty or whitespace-only ones
-    are dropped).
+    are dropped), a document longer than :data:`PIECE_CHARS` characters in pieces (see :class:`Document`).
 
     Text files are one document each (``split_documents="file"``, the text exactly as decoded),
     or split at blank lines (``"blank-line"``: paragraphs, their lines joined by ``\\n``) or at
@@ -209,9 +216,15 @@ def read_documents(source: Source, *, text_field: str = "text", split_documents:
         units = _parquet_units(source.path, text_field)
     else:
         units = _hf_units(source.path, text_field)
-    for index, (text, replacements) in enumerate(units):
-        if text.strip():
-            yield Document(text, f"{source.name}:{index}", replacements)
+    pieces, index, started = _Pieces(), 0, False
+    for fragment, replaced, whole in units:
+        for text, n, end in pieces.add(fragment, replaced, whole):
+            # whitespace before a long document's first text is dropped with it, as a blank document is
+            if started or text.strip():
+                yield Document(text, f"{source.name}:{index}", n, end)
+                started = not end
+        if whole:
+            index, started = index + 1, False
 
 
 def iter_documents(sources: Sequence[Source], **options) -> Iterator[Document]:
@@ -253,59 +266,163 @@ def _decode(data: bytes, path: Path, offset: int, errors: str) -> tuple[str, int
     return text, _replaced[0] - before
 
 
-def _lines(path: Path, errors: str) -> Iterator[tuple[str, int]]:
-    """The lines of a file without their "\\n", each with its count of replaced sequences."""
-    offset = 0
-    with open(path, "rb") as f:
-        if f.read(3) == _BOM:  # a UTF-8 byte order mark marks the encoding; it is not text
-            offset = len(_BOM)
+def _cut(text: str, start: int, limit: int) -> int:
+    """Where a piece of ``text[start:]`` (longer than ``limit``) ends: before the last space in
+    ``text[start + limit // 2 : start + limit]`` that lies between two characters other than
+    whitespace, else at ``start + limit``.
+
+    Every pre-tokenizer of the tokenizers used here ends a pre-token there (GPT-2's and Llama 3's
+    regexes, whose pre-tokens take a space only before the word it leads; whitespace splitting;
+    Metaspace; characters), so the pieces' tokens are the whole text's (tested).
+    """
+    low, pos = start + limit // 2, start + limit
+    while (pos := text.rfind(" ", low, pos)) >= low:
+        if not text[pos - 1].isspace() and not text[pos + 1].isspace():
+            return pos
+    return start + limit
+
+
+class _Pieces:
+    """Cuts one document at a time, given in fragments, into pieces of at most :data:`PIECE_CHARS`
+    characters (:func:`_cut`), holding at most about twice that."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+        self.size = self.replaced = 0
+
+    def add(self, fragment: str, replaced: int, end: bool) -> Iterator[tuple[str, int, bool]]:
+        """The pieces ``(text, replacements, end)`` that ``fragment`` completes; ``end``: the document ends with it."""
+        self.parts.append(fragment)
+        self.size += len(fragment)
+        self.replaced += replaced
+        if self.size <= 2 * PIECE_CHARS and not end:
+            return
+        text, start = "".join(self.parts), 0
+        while len(text) - start > 2 * PIECE_CHARS or (end and len(text) - start > PIECE_CHARS):
+            cut = _cut(text, start, PIECE_CHARS)
+            yield text[start:cut], self.replaced, False
+            start, self.replaced = cut, 0
+        if end:
+            yield text[start:], self.replaced, True
+            self.parts, self.size, self.replaced = [], 0, 0
         else:
-            f.seek(0)
+            self.parts = [text[start:]]
+            self.size = len(self.parts[0])
+
+
+def _whole_lines(data: bytes, path: Path, offset: int, errors: str) -> Iterator[tuple[str, int, bool]]:
+    """The lines of ``data`` (whole lines, the last one's "\n" optional) without their "\n"."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise _not_utf8(path, data, offset, e) from None
+        # A newline byte never belongs to a UTF-8 sequence: decoding line by line is exact and gives
+        # each line its own count.
+        raw_lines = data.split(b"\n")
+        if data.endswith(b"\n"):
+            raw_lines.pop()
+        for raw in raw_lines:
+            line, n = _decode(raw, path, 0, errors)
+            yield line, n, True
+    else:
+        lines = text.split("\n")
+        if text.endswith("\n"):
+            lines.pop()
+        yield from zip(lines, repeat(0), repeat(True))
+
+
+def _line_start(path: Path, errors: str, data: bytes, offset: int) -> tuple[str, int, int]:
+    """The decodable start of a long line's bytes ``data``: (text, replacements, bytes used), never
+    ending in "\r" (which may be half of a "\r\n")."""
+    before = _replaced[0]
+    try:
+        text, used = codecs.utf_8_decode(data, "strict" if errors == "strict" else "llm-count-replace", False)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, data, offset, e) from None
+    if text.endswith("\r"):
+        text, used = text[:-1], used - 1
+    return text, _replaced[0] - before, used
+
+
+def _lines(path: Path, errors: str) -> Iterator[tuple[str, int, bool]]:
+    """The lines of a file without their "\n": ``(text, replacements, whole)``. A line longer than
+    1 MiB comes in fragments, ``whole`` False but for its last, so memory stays bounded."""
+    with open(path, "rb") as f:
+        offset = len(_BOM) if f.read(3) == _BOM else 0  # a byte order mark marks the encoding; it is not text
+        f.seek(offset)
+        tail, open_line = b"", False  # the start of a line whose end is not read yet; part of it given
         # Whole lines, about a block at a time, decoded together: much faster than line by line.
-        while raw_lines := f.readlines(_BLOCK_BYTES):
-            data = b"".join(raw_lines)
+        while block := f.read(_BLOCK_BYTES):
+            data = tail + block
+            end = data.rfind(b"\n") + 1
+            if end:
+                yield from _whole_lines(data[:end], path, offset, errors)
+                offset, open_line = offset + end, False
+            tail = data[end:]
+            if len(tail) > _BLOCK_BYTES:
+                text, n, used = _line_start(path, errors, tail, offset)
+                yield text, n, False
+                offset, tail, open_line = offset + used, tail[used:], True
+        if tail or open_line:
+            yield from _whole_lines(tail, path, offset, errors) if tail else [("", 0, True)]
+
+
+def _file_fragments(path: Path, errors: str) -> Iterator[tuple[str, int, bool]]:
+    """A whole file's text, a block at a time: ``(text, replacements, last)``."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict" if errors == "strict" else "llm-count-replace")
+    with open(path, "rb") as f:
+        offset = len(_BOM) if f.read(3) == _BOM else 0
+        f.seek(offset)
+        while True:
+            block = f.read(_BLOCK_BYTES)
+            pending, before = len(decoder.getstate()[0]), _replaced[0]
             try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                if errors == "strict":
-                    raise _not_utf8(path, data, offset, e) from None
-                # A newline byte never belongs to a UTF-8 sequence: decoding line by line is exact
-                # and gives each line its own count.
-                for raw in raw_lines:
-                    line, n = _decode(raw, path, 0, errors)
-                    yield line.removesuffix("\n"), n
-            else:
-                lines = text.split("\n")
-                if text.endswith("\n"):
-                    lines.pop()
-                yield from zip(lines, repeat(0))
-            offset += len(data)
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:  # e.object: the bytes held back from the last block, then this one
+                raise _not_utf8(path, e.object, offset - pending, e) from None
+            yield text, _replaced[0] - before, not block
+            if not block:
+                return
+            offset += len(block)
 
 
-def _text_units(path: Path, mode: str, errors: str) -> Iterator[tuple[str, int]]:
+def _text_units(path: Path, mode: str, errors: str) -> Iterator[tuple[str, int, bool]]:
     if mode == "file":
-        with open(path, "rb") as f:
-            data = f.read()
-        skip = len(_BOM) if data.startswith(_BOM) else 0  # a byte order mark is not text
-        yield _decode(data[skip:], path, skip, errors)
+        yield from _file_fragments(path, errors)
         return
-    paragraph, replaced = [], 0
-    for line, n in _lines(path, errors):
-        line = line.removesuffix("\r")
+    # pending: the fragments so far of a long line while all are whitespace (blank unless text follows);
+    # in_text: part of the current line, which has text, was given
+    in_paragraph, in_text, pending = False, False, []
+    for line, n, whole in _lines(path, errors):
+        if whole:
+            line = line.removesuffix("\r")
         if mode == "line":
-            yield line, n
-        elif line.strip():
-            paragraph.append(line)
-            replaced += n
-        elif paragraph:
-            yield "\n".join(paragraph), replaced
-            paragraph, replaced = [], 0
-    if paragraph:
-        yield "\n".join(paragraph), replaced
+            yield line, n, whole
+        elif in_text or line.strip():
+            start = "" if in_text else ("\n" if in_paragraph else "") + "".join(pending)
+            yield start + line, n, False
+            in_paragraph, in_text, pending = True, not whole, []
+        elif not whole:
+            pending.append(line)
+        else:  # a blank line ends the paragraph
+            pending = []
+            if in_paragraph:
+                yield "", 0, True
+                in_paragraph = False
+    if in_paragraph:
+        yield "", 0, True
 
 
-def _jsonl_units(path: Path, field: str, errors: str) -> Iterator[tuple[str, int]]:
-    for number, (line, n) in enumerate(_lines(path, errors), 1):
+def _jsonl_units(path: Path, field: str, errors: str) -> Iterator[tuple[str, int, bool]]:
+    parts, replaced, number = [], 0, 0
+    for fragment, n, whole in _lines(path, errors):
+        parts.append(fragment)
+        replaced += n
+        if not whole:  # a JSON value is parsed whole: a record is held in memory, its text cut later
+            continue
+        line, n, number = "".join(parts), replaced, number + 1
+        parts, replaced = [], 0
         if not line.strip():
             continue
         try:
@@ -328,7 +445,7 @@ def _jsonl_units(path: Path, field: str, errors: str) -> Iterator[tuple[str, int
             raise DataError(f"{path}, line {number}: the field {field!r} holds a lone UTF-16 surrogate "
                             f"({text[e.start]!r} at character {e.start}), which is not a character; fix the "
                             "JSON escapes (a pair such as \\ud83d\\ude00 is one character)") from None
-        yield text, n
+        yield text, n, True
 
 
 def _check_column(path: Path, field: str, columns: list[str], kind: str, is_string: bool) -> None:
@@ -343,7 +460,7 @@ def _null(path: Path, row: int, field: str) -> DataError:
     return DataError(f"{path}, row {row}: column {field!r} is null; every row needs a string")
 
 
-def _parquet_units(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _parquet_units(path: Path, field: str) -> Iterator[tuple[str, int, bool]]:
     require("train", "pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -362,11 +479,11 @@ def _parquet_units(path: Path, field: str) -> Iterator[tuple[str, int]]:
         for text in batch.column(0).to_pylist():
             if text is None:
                 raise _null(path, row, field)
-            yield text, 0
+            yield text, 0, True
             row += 1
 
 
-def _hf_units(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _hf_units(path: Path, field: str) -> Iterator[tuple[str, int, bool]]:
     try:
         import datasets
     except ImportError:
@@ -385,5 +502,5 @@ def _hf_units(path: Path, field: str) -> Iterator[tuple[str, int]]:
         for text in batch[field]:
             if text is None:
                 raise _null(path, row, field)
-            yield text, 0
+            yield text, 0, True
             row += 1

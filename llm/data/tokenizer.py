@@ -326,17 +326,17 @@ class BatchEncoder:
             else:
                 os.environ[_PARALLELISM] = self._previous
 
-    def map(self, batches: Iterable[tuple[list[str], T]]) -> Iterator[tuple[np.ndarray, T]]:
-        """For each ``(texts, tag)`` of ``batches``, ``(ids, tag)``: ``ids`` a 1-D uint32 array of
-        every text's tokens followed by eos. At most two batches per worker are in flight, so memory
-        stays bounded."""
+    def map(self, batches: Iterable[tuple[tuple[list[str], list[bool] | None], T]]) -> Iterator[tuple[np.ndarray, T]]:
+        """For each ``((texts, ends), tag)`` of ``batches``, ``(ids, tag)``: ``ids`` a 1-D uint32 array
+        of every text's tokens, each followed by eos where ``ends`` says (``None``: after every text).
+        At most two batches per worker are in flight, so memory stays bounded."""
         if self._pool is None:  # not entered: encode here
-            for texts, tag in batches:
-                yield self.encode(texts), tag
+            for (texts, ends), tag in batches:
+                yield self.encode(texts, ends), tag
             return
         window: deque = deque()
-        for texts, tag in batches:
-            window.append((self._pool.submit(self.encode, texts), tag))
+        for (texts, ends), tag in batches:
+            window.append((self._pool.submit(self.encode, texts, ends), tag))
             if len(window) > 2 * self.workers:
                 result, tag = window.popleft()
                 yield result.result(), tag
@@ -344,14 +344,17 @@ class BatchEncoder:
             result, tag = window.popleft()
             yield result.result(), tag
 
-    def encode(self, texts: list[str]) -> np.ndarray:
-        """Every text's ids followed by eos, as one uint32 array (in the calling thread)."""
+    def encode(self, texts: list[str], ends: list[bool] | None = None) -> np.ndarray:
+        """Every text's ids, each followed by eos where ``ends`` is True (``None``: all), as one uint32
+        array (in the calling thread). A text whose ``ends`` is False is a piece of a document that
+        the next text continues (:class:`llm.data.sources.Document`)."""
         backend = getattr(self._local, "backend", None)
         if backend is None:  # one tokenizer per thread: no sharing of its cache between threads
             backend = self._local.backend = Tokenizer.from_str(self._definition)
         # encode_batch_fast: encode_batch's ids without computing character offsets (about 1.5x faster).
         encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
         eos = np.array([self._eos], dtype=np.uint32)
+        ends = [True] * len(texts) if ends is None else ends
         # One small array per text is faster than extending one list with every id.
-        return np.concatenate([part for encoding in encodings
-                               for part in (np.array(encoding.ids, dtype=np.uint32), eos)] or [eos[:0]])
+        return np.concatenate([part for encoding, end in zip(encodings, ends)
+                               for part in (np.array(encoding.ids, dtype=np.uint32), eos[:end])] or [eos[:0]])
