@@ -1,8 +1,12 @@
 """Fine-tuning data: prompt/response pairs from JSONL, padded per batch, loss on responses only.
 
-Each line of the file is ``{"prompt": "...", "response": "..."}``. An example becomes
-``prompt tokens + response tokens + eos``; its labels are -100 on the prompt (no loss there)
-and the token ids on the response and eos. Batches are padded to their longest example, on the
+Each line of the file is ``{"prompt": "...", "response": "..."}``. Under a chat template (the
+default, :func:`use_chat_template`) an example is a user turn and the assistant's reply as the
+template renders them: the prompt's tokens are the conversation up to the opened assistant turn
+(``add_generation_prompt``), the response's the rest, the end-of-turn marker included, so the
+model learns where its turn ends and the server's chat route can talk to it. Without one
+(``chat_template: none``) an example is ``prompt tokens + response tokens + eos``. The labels
+are -100 on the prompt (no loss there) and the token ids on the response. Batches are padded to their longest example, on the
 left or the right, with ``attention_mask`` 0 on padding and labels -100 there, so padding never
 changes a real token's loss: the model takes the mask as both query and key padding mask and
 derives positions from it (as llm-foundry's finetuning collator, with explicit masks).
@@ -19,6 +23,53 @@ from torch.utils.data import DataLoader, Dataset
 
 IGNORE_INDEX = -100
 PADDING_SIDES = ("left", "right")
+#: ``auto``: the tokenizer's own chat template, else ChatML; ``chatml``: ChatML; ``none``: raw text.
+CHAT_TEMPLATES = ("auto", "chatml", "none")
+
+
+def use_chat_template(tokenizer, chat_template: str = "auto") -> tuple[int, ...]:
+    """Give ``tokenizer`` the chat template that fine-tuning renders examples with, and return the
+    ids that end the assistant's turn (the special tokens the template closes a reply with, then
+    eos): a model fine-tuned this way stops there, and its exported bundle carries the template.
+
+    ``auto`` keeps a template the tokenizer has (SmolLM2's, say) and sets ChatML
+    (:data:`llm.data.tokenizer.CHATML_TEMPLATE`) otherwise; ``chatml`` sets ChatML; ``none`` sets
+    nothing and returns ``(eos,)``. ChatML needs ``<|im_start|>`` and ``<|im_end|>`` as tokens,
+    which every tokenizer trained by ``llm prepare`` reserves.
+
+    Raises:
+        ValueError: for another value, a tokenizer without ChatML's tokens, or a template that does
+            not render a conversation as its prompt followed by the reply.
+    """
+    from llm.data.tokenizer import CHATML_TEMPLATE, CHATML_TOKENS
+
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template must be one of {CHAT_TEMPLATES}, got {chat_template!r}")
+    if chat_template == "none":
+        return (tokenizer.eos_token_id,)
+    if chat_template == "chatml" or not getattr(tokenizer, "chat_template", None):
+        vocab = tokenizer.get_vocab()
+        missing = [token for token in CHATML_TOKENS if token not in vocab]
+        if missing:
+            raise ValueError(f"chat_template {chat_template}: ChatML needs the tokens {' '.join(CHATML_TOKENS)}, which "
+                             f"this tokenizer lacks ({' '.join(missing)}; tokenizers trained by llm prepare have them): "
+                             "use a tokenizer with a chat template of its own, or chat_template: none")
+        tokenizer.chat_template = CHATML_TEMPLATE
+    prompt, reply = _render(tokenizer, "", "x")
+    specials = set(tokenizer.all_special_ids) | {int(i) for i in tokenizer.added_tokens_decoder}
+    ends = [i for i in tokenizer(reply, add_special_tokens=False).input_ids if i in specials]
+    return tuple(dict.fromkeys([*ends, tokenizer.eos_token_id]))
+
+
+def _render(tokenizer, prompt: str, response: str) -> tuple[str, str]:
+    """(prompt text up to the opened assistant turn, the reply's text with its end-of-turn marker)."""
+    user = [{"role": "user", "content": prompt}]
+    head = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
+    if not whole.startswith(head):
+        raise ValueError("the tokenizer's chat template does not render a conversation as its generation prompt "
+                         "followed by the reply; fine-tune with chat_template: none")
+    return head, whole[len(head):]
 
 
 def load_jsonl(path: str | Path) -> list[dict[str, str]]:
@@ -51,18 +102,24 @@ def load_jsonl(path: str | Path) -> list[dict[str, str]]:
 
 
 class FinetuneDataset(Dataset):
-    """Tokenized examples: ``{"input_ids": (n,) int64, "labels": (n,) int64}``, unpadded.
+    """Tokenized examples: ``{"input_ids": (n,) int64, "labels": (n,) int64}``, unpadded; rendered
+    with the tokenizer's chat template when ``chat`` (set it with :func:`use_chat_template`).
 
     Raises:
         ValueError: if an example is longer than ``max_seq_len`` tokens, naming it.
     """
 
-    def __init__(self, examples: list[Mapping[str, str]], tokenizer, max_seq_len: int):
+    def __init__(self, examples: list[Mapping[str, str]], tokenizer, max_seq_len: int, chat: bool = False):
         self.items = []
         eos = tokenizer.eos_token_id
         for i, ex in enumerate(examples):
-            prompt = tokenizer(ex["prompt"], add_special_tokens=False).input_ids
-            response = tokenizer(ex["response"], add_special_tokens=False).input_ids + [eos]
+            if chat:
+                head, reply = _render(tokenizer, ex["prompt"], ex["response"])
+                prompt = tokenizer(head, add_special_tokens=False).input_ids
+                response = tokenizer(reply, add_special_tokens=False).input_ids
+            else:
+                prompt = tokenizer(ex["prompt"], add_special_tokens=False).input_ids
+                response = tokenizer(ex["response"], add_special_tokens=False).input_ids + [eos]
             ids = prompt + response
             if len(ids) > max_seq_len:
                 raise ValueError(
@@ -120,6 +177,7 @@ class PaddingCollator:
         return {key: torch.stack(rows) for key, rows in batch.items()}
 
 
-def build_finetune_dataset(path: str | Path, tokenizer, max_seq_len: int) -> FinetuneDataset:
-    """The tokenized examples of a JSONL file of prompt/response pairs (see :func:`load_jsonl`)."""
-    return FinetuneDataset(load_jsonl(path), tokenizer, max_seq_len)
+def build_finetune_dataset(path: str | Path, tokenizer, max_seq_len: int, chat: bool = False) -> FinetuneDataset:
+    """The tokenized examples of a JSONL file of prompt/response pairs (see :func:`load_jsonl`),
+    rendered with the tokenizer's chat template when ``chat``."""
+    return FinetuneDataset(load_jsonl(path), tokenizer, max_seq_len, chat)

@@ -36,7 +36,14 @@ if TYPE_CHECKING:  # transformers loads when a tokenizer is made: a second of `i
 
 EOS_TOKEN = "<|endoftext|>"
 UNK_TOKEN = "<unk>"
-_MIN_BPE_VOCAB = 256 + 1  # every byte plus EOS_TOKEN
+#: ChatML's turn markers, which every tokenizer trained here reserves (last ids) for fine-tuning on chats.
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+#: ChatML (as SmolLM2 and Qwen write it, without a default system message): each message is
+#: ``<|im_start|>ROLE\nCONTENT<|im_end|>\n``; a generation prompt opens the assistant's turn.
+CHATML_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                   "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                   "{% endif %}")
+_MIN_BPE_VOCAB = 256 + 1 + len(CHATML_TOKENS)  # every byte, EOS_TOKEN and the ChatML markers
 INFO_FILE = "llm_tokenizer.json"
 LOAD_FORMS = ("a tokenizer.json file, a transformers tokenizer folder, a model bundle folder, a prepared "
               f"dataset folder, a registered name ({', '.join(PRETRAINED)}) or a .gguf file")
@@ -77,14 +84,15 @@ def build_char_tokenizer(text: str) -> PreTrainedTokenizerFast:
     """Character-level tokenizer: one token per distinct character of `text`, in sorted order.
 
     Ids 0 and 1 are `<|endoftext|>` (eos, bos and pad) and `<unk>`, which any character not
-    in `text` maps to. `decode(encode(s)) == s` for any `s` made of characters of `text`.
+    in `text` maps to; the last two are :data:`CHATML_TOKENS`. `decode(encode(s)) == s` for any
+    `s` made of characters of `text`.
     """
-    vocab = {token: i for i, token in enumerate([EOS_TOKEN, UNK_TOKEN, *sorted(set(text))])}
+    vocab = {token: i for i, token in enumerate([EOS_TOKEN, UNK_TOKEN, *sorted(set(text)), *CHATML_TOKENS])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     # `[\s\S]` rather than `.` so newlines are characters too.
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN])
+    tokenizer.add_special_tokens([EOS_TOKEN, UNK_TOKEN, *CHATML_TOKENS])
     return _wrap(tokenizer, unk_token=UNK_TOKEN)
 
 
@@ -92,10 +100,11 @@ def train_bpe_tokenizer(text: str, vocab_size: int) -> PreTrainedTokenizerFast:
     """Train a GPT-2 style byte-level BPE tokenizer on `text`: :func:`train_tokenizer` with
     ``bpe:{vocab_size}``.
 
-    The vocabulary holds the 256 byte tokens, `<|endoftext|>` (id 0: eos, bos and pad) and
-    merges up to `vocab_size` entries (fewer if the text runs out of pairs to merge). Any
+    The vocabulary holds the 256 byte tokens, `<|endoftext|>` (id 0: eos, bos and pad), merges
+    and, last, :data:`CHATML_TOKENS`, up to `vocab_size` entries (fewer merges if the text runs
+    out of pairs to merge). Any
     string can be encoded, and `decode(encode(s)) == s`. Raises ValueError (DataError) if
-    `vocab_size` is below 257.
+    `vocab_size` is below 259.
     """
     return train_tokenizer(f"bpe:{vocab_size}", [text])
 
@@ -109,7 +118,7 @@ def trained_spec(spec: str) -> tuple[str, int | None] | None:
         size = spec.partition(":")[2]
         if not size.isdigit() or int(size) < _MIN_BPE_VOCAB:
             raise DataError(f"tokenizer spec {spec!r}: bpe needs an integer vocabulary size of at least "
-                            f"{_MIN_BPE_VOCAB} (256 bytes + {EOS_TOKEN}), as in bpe:8192")
+                            f"{_MIN_BPE_VOCAB} (256 bytes, {EOS_TOKEN} and {' '.join(CHATML_TOKENS)}), as in bpe:8192")
         return "bpe", int(size)
     return None
 
@@ -202,7 +211,8 @@ def train_tokenizer(spec: str, texts: Iterable[str]) -> PreTrainedTokenizerFast:
     consumed once as a stream; nothing holds the whole corpus.
 
     ``bpe:N`` is a GPT-2 style byte-level BPE trained with ``Tokenizer.train_from_iterator``;
-    ``char`` is :func:`build_char_tokenizer` over the set of characters seen. Both have ``<|endoftext|>`` as eos (and bos and pad).
+    ``char`` is :func:`build_char_tokenizer` over the set of characters seen. Both have ``<|endoftext|>`` as eos (and bos and pad)
+    and reserve :data:`CHATML_TOKENS` (the last ids) for fine-tuning on chats.
     Deterministic for the same texts in the same order. Raises DataError for another spec.
     """
     kind = trained_spec(spec)
@@ -216,9 +226,10 @@ def train_tokenizer(spec: str, texts: Iterable[str]) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=kind[1], special_tokens=[EOS_TOKEN],
+    trainer = trainers.BpeTrainer(vocab_size=kind[1] - len(CHATML_TOKENS), special_tokens=[EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens(list(CHATML_TOKENS))
     return _wrap(tokenizer)
 
 

@@ -110,10 +110,12 @@ def _finetune_loader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int,
                      seed: int, indices: list[int] | None = None, bucketed: bool = False) -> DataLoader:
     from composer.utils import dist
 
-    from llm.data.finetune import PaddingCollator, build_finetune_dataset
+    from llm.data.finetune import PaddingCollator, build_finetune_dataset, use_chat_template
 
     dataset_cfg = loader_cfg["dataset"]
-    dataset = build_finetune_dataset(dataset_cfg["path"], tokenizer, max_seq_len)
+    chat_template = dataset_cfg.get("chat_template", "auto")
+    use_chat_template(tokenizer, chat_template)
+    dataset = build_finetune_dataset(dataset_cfg["path"], tokenizer, max_seq_len, chat_template != "none")
     if indices is not None:
         dataset = Subset(dataset, indices)
     drop_last = loader_cfg.get("drop_last", False)

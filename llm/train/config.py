@@ -298,12 +298,17 @@ def _hash_check(value: Any) -> str | None:
 class FinetuneDatasetConfig:
     """A ``name: finetuning`` loader's dataset: a JSONL file of ``{"prompt", "response"}`` lines.
 
-    The loss is on the responses only; batches are padded on ``padding_side``.
+    The loss is on the responses only; batches are padded on ``padding_side``. ``chat_template``:
+    ``auto`` renders examples as a user turn and the assistant's reply with the tokenizer's chat
+    template, or ChatML where it has none (the exported bundle carries it, and stops at its
+    end-of-turn token); ``chatml`` always ChatML; ``none`` trains on prompt + response + eos
+    (:func:`llm.data.finetune.use_chat_template`).
     """
 
     path: str = setting(check=non_empty)
     padding_side: str = setting("right", check=one_of("left", "right"))
     shuffle: bool = False
+    chat_template: str = setting("auto", check=one_of("auto", "chatml", "none"))
 
 
 DATASET_SCHEMAS: dict[str, type] = {"text": StreamingDatasetConfig, "finetuning": FinetuneDatasetConfig}

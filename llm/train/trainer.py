@@ -21,6 +21,7 @@ locked while a run trains, and resuming under settings other than its ``config.y
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -45,6 +46,7 @@ from composer.optim import (
 from composer.utils import dist, get_device, reproducibility
 from omegaconf import DictConfig
 
+from llm.data.finetune import use_chat_template
 from llm.data.streaming import clean_stale_registrations
 from llm.io import atomic_write
 from llm.model import MosaicGPT
@@ -232,6 +234,9 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
                                       bucketed=bucketed)
     eval_sets = build_eval_loaders(cfg["eval_loader"], data.eval, data.tokenizer, max_seq_len,
                                    cfg["device_eval_batch_size"], seed=cfg["seed"], bucketed=bucketed)
+    if not text:  # the exported model stops where its fine-tuned turns end
+        ends = use_chat_template(data.tokenizer, cfg["train_loader"]["dataset"].get("chat_template", "auto"))
+        model.model.generation_config = dataclasses.replace(model.model.generation_config, eos_token_id=ends)
     metric_names = list(model.get_metrics(is_train=False))
     evaluators = [Evaluator(label=s.label, dataloader=s.loader, metric_names=metric_names) for s in eval_sets]
     fsdp = (cfg["parallelism_config"] or {}).get("fsdp")

@@ -9,7 +9,8 @@ import torch
 
 from llm.train.composer_model import ComposerMosaicGPT
 from llm.data import build_char_tokenizer
-from llm.data.finetune import IGNORE_INDEX, FinetuneDataset, PaddingCollator, load_jsonl
+from llm.data.finetune import IGNORE_INDEX, FinetuneDataset, PaddingCollator, load_jsonl, use_chat_template
+from llm.data.tokenizer import CHATML_TEMPLATE
 from tests.conftest import tiny_model
 
 
@@ -26,6 +27,47 @@ def test_labels_cover_the_response_and_eos_only(tokenizer):
     assert tokenizer.decode(item["input_ids"][n_prompt:]) == "me." + tokenizer.eos_token
     with pytest.raises(ValueError, match="example 0 has 9 tokens, more than max_seq_len=8"):
         FinetuneDataset([{"prompt": "who? ", "response": "me."}], tokenizer, 8)
+
+
+def test_chatml_examples_are_a_user_turn_and_the_reply_that_ends_its_turn():
+    tokenizer = build_char_tokenizer(string.ascii_lowercase + " ?.\n")
+    assert use_chat_template(tokenizer) == (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id)
+    assert tokenizer.chat_template == CHATML_TEMPLATE
+    item = FinetuneDataset([{"prompt": "who? ", "response": "me."}], tokenizer, 64, chat=True)[0]
+    head = "<|im_start|>user\nwho? <|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer(head, add_special_tokens=False).input_ids
+    assert item["input_ids"].tolist() == prompt + tokenizer("me.<|im_end|>\n", add_special_tokens=False).input_ids
+    assert (item["labels"][: len(prompt)] == IGNORE_INDEX).all()  # the template's markers are not scored
+    assert item["labels"][len(prompt):].tolist() == item["input_ids"][len(prompt):].tolist()
+    # the prompt is what a chat route sends the model: the template's generation prompt
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "who? "}], add_generation_prompt=True)
+    assert chat == prompt
+
+
+def test_a_tokenizers_own_template_is_kept_and_none_trains_on_raw_text():
+    tokenizer = build_char_tokenizer(string.ascii_lowercase + " ?.\n[]:")
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}<|endoftext|>{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant]: {% endif %}")
+    own = tokenizer.chat_template
+    assert use_chat_template(tokenizer) == (tokenizer.eos_token_id,) and tokenizer.chat_template == own
+    item = FinetuneDataset([{"prompt": "who?", "response": "me."}], tokenizer, 64, chat=True)[0]
+    assert tokenizer.decode(item["input_ids"]) == "[user]: who?<|endoftext|>[assistant]: me.<|endoftext|>"
+    assert use_chat_template(tokenizer, "none") == (tokenizer.eos_token_id,) and tokenizer.chat_template == own
+    assert use_chat_template(tokenizer, "chatml")[0] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def test_chatml_needs_its_tokens():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<e>": 1}, unk_token="a")),
+                                   eos_token="<e>")
+    with pytest.raises(ValueError, match=r"^chat_template auto: ChatML needs the tokens <\|im_start\|> <\|im_end\|>, "
+                                         r"which this tokenizer lacks .*or chat_template: none$"):
+        use_chat_template(bare)
+    with pytest.raises(ValueError, match="chat_template must be one of"):
+        use_chat_template(bare, "alpaca")
 
 
 def test_jsonl_errors_name_the_line(tmp_path):

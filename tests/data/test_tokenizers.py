@@ -13,7 +13,8 @@ from llm.data import (
 
 def test_char_tokenizer_vocab_and_ids():
     tok = build_char_tokenizer("ba\n a")
-    assert tok.get_vocab() == {EOS_TOKEN: 0, UNK_TOKEN: 1, "\n": 2, " ": 3, "a": 4, "b": 5}
+    assert tok.get_vocab() == {EOS_TOKEN: 0, UNK_TOKEN: 1, "\n": 2, " ": 3, "a": 4, "b": 5, "<|im_start|>": 6,
+                               "<|im_end|>": 7}
     assert tok("ab\n\n  ab")["input_ids"] == [4, 5, 2, 2, 3, 3, 4, 5]
     assert tok("aZb")["input_ids"] == [4, 1, 5]
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id) == (0, 0, 0, 1)

@@ -119,7 +119,7 @@ def test_bad_specs(tmp_path):
         load_tokenizer("no-such-model")
     for spec in ("bpe", "bpe:100", "bpe:lots"):
         with pytest.raises(DataError, match=rf"tokenizer spec '{spec}': bpe needs an integer vocabulary size of at "
-                                            "least 257"):
+                                            "least 259"):
             trained_spec(spec)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"the folder holds no tokenizer \(tokenizer.json or tokenizer_config.json\)"):

@@ -137,7 +137,7 @@ def test_to_dict_is_plain_resolved_and_round_trips(tmp_path):
         ("optimizer=null", r"^optimizer: expected a mapping"),
         ("train_loader.name=sql", r"^train_loader\.name: expected one of \['text', 'finetuning'\]"),
         ("train_loader.name=finetuning",
-         r"^train_loader\.dataset\.local: unknown key; allowed keys: \['path', 'padding_side', 'shuffle'\]"),
+         r"^train_loader\.dataset\.local: unknown key; allowed keys: \['path', 'padding_side', 'shuffle', 'chat_template'\]"),
         ("train_loader.shuffle=true", r"^train_loader\.shuffle: unknown key; allowed keys: \['name', 'dataset', "),
         ("train_loader.num_workers=-1", r"^train_loader\.num_workers: must be >= 0"),
         ("train_loader.prefetch_factor=2", r"^train_loader\.prefetch_factor: needs num_workers > 0"),

@@ -11,6 +11,7 @@ from composer.optim import DecoupledAdamW
 from llm.data import load_tokenizer
 from llm.data.cues import cue_pairs, make_cue_dataset, write_jsonl
 from llm.data.finetune import IGNORE_INDEX, load_jsonl
+from llm.data.tokenizer import CHATML_TEMPLATE
 from llm.train.evaluate import evaluate
 from llm.model import MosaicGPT
 from llm.train.builders import build_eval_loaders, build_train_loader, load_pretrained
@@ -31,13 +32,14 @@ def setup(tmp_path_factory):
                       max_duration="20ba", eval_interval="20ba", save_interval="20ba")
     bundle = train(cfg)["model_dir"]
     for split, n in (("train", 200), ("validation", 48)):
-        write_jsonl(make_cue_dataset(split, n, max_chars=120), root / f"{split}.jsonl")
+        # ChatML's markers take 21 of the 128 tokens (characters)
+        write_jsonl(make_cue_dataset(split, n, max_chars=100), root / f"{split}.jsonl")
     return {"root": root, "bundle": bundle, "data": data}
 
 
-def _loader_cfg(path, shuffle):
-    return {"name": "finetuning", "dataset": {"path": str(path), "padding_side": "right", "shuffle": shuffle},
-            "drop_last": shuffle}
+def _loader_cfg(path, shuffle, chat_template="auto"):
+    return {"name": "finetuning", "dataset": {"path": str(path), "padding_side": "right", "shuffle": shuffle,
+                                              "chat_template": chat_template}, "drop_last": shuffle}
 
 
 def test_cue_pairs():
@@ -65,9 +67,9 @@ def test_loaders_dispatch_on_name(setup):
     assert (batch["labels"][:, 0] == IGNORE_INDEX).all()  # the prompt is not scored
     (replies,) = build_eval_loaders(_loader_cfg(setup["root"] / "validation.jsonl", False), [], tokenizer, 128, 4, seed=0)
     assert replies.label == "validation" and replies.sequences == replies.available == 48
-    assert 1.0 < replies.tokens_per_byte < 1.2  # characters, plus one eos per reply
+    assert 1.0 < replies.tokens_per_byte < 1.2  # characters, plus ChatML's "<|im_end|>\n" ending each reply
     responses = [ex["response"] for ex in load_jsonl(setup["root"] / "validation.jsonl")]
-    assert replies.predicted_tokens == sum(len(tokenizer(r).input_ids) + 1 for r in responses)
+    assert replies.predicted_tokens == sum(len(tokenizer(r).input_ids) + 2 for r in responses)
 
 
 def test_finetuning_a_pretrained_bundle_lowers_the_reply_loss(setup, tmp_path):
@@ -112,6 +114,11 @@ def test_train_finetunes_from_load_pretrained(setup, tmp_path):
     assert 1.0 < result["tokens_per_byte"] < 1.2 and result["bits_per_byte"] > 0
     assert MosaicGPT.from_pretrained(result["model_dir"]).config == MosaicGPT.from_pretrained(setup["bundle"]).config
     assert result["samples"][0].startswith("A:\nWho's there?\n\nB:\n")
+    # the bundle talks ChatML, the template it was fine-tuned in, and stops at the end of its turn
+    tuned = load_tokenizer(result["model_dir"])
+    assert tuned.chat_template == CHATML_TEMPLATE
+    ends = MosaicGPT.from_pretrained(result["model_dir"]).generation_config.eos_token_id
+    assert ends == (tuned.convert_tokens_to_ids("<|im_end|>"), tuned.eos_token_id)
     with pytest.raises(ConfigError, match=r"load_pretrained"):
         train({**cfg, "model": {"d_model": 32}})
 
@@ -136,15 +143,16 @@ def test_bucketed_padding_changes_no_loss(setup):
 
 def test_compiled_finetuning_on_padded_batches_of_varying_length(setup, tmp_path):
     # dynamic lengths crashed inductor's backward (a size/stride assertion): bucketed static shapes
-    # in file order, batches of 4 whose longest example is 13 and then 29 tokens: buckets 16 and 32
+    # in file order, batches of 4 whose longest example is 13 and then 29 tokens (raw text, no chat
+    # template): buckets 16 and 32
     pairs = [{"prompt": "A:\n", "response": "x" * n} for n in (3, 5, 8, 9, 20, 18, 25, 12)]
     write_jsonl(pairs, tmp_path / "lengths.jsonl")
     cfg = tiny_config(setup["data"], tmp_path / "ft", load_pretrained=setup["bundle"], max_duration="2ba",
                       eval_interval="2ba", save_interval="2ba", compile_config={}, precision="fp32",
                       global_train_batch_size=4, device_eval_batch_size=4, eval_subset_num_batches=1)
     del cfg["model"]
-    cfg["train_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False)
-    cfg["eval_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False)
+    cfg["train_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False, "none")
+    cfg["eval_loader"] = _loader_cfg(tmp_path / "lengths.jsonl", False, "none")
     lengths = set()
     from llm.data import finetune
 
