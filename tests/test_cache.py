@@ -147,6 +147,18 @@ def test_a_cache_is_stamped_by_the_model_that_fills_it(tmp_path):
 
 
 @torch.no_grad()
+def test_a_cache_is_stale_once_its_models_weights_are_written():
+    a, _ = twins()
+    ids = torch.randint(0, 61, (1, 8))
+    cache = prefilled(a, DynamicCache(), ids)
+    a(ids[:, :1], past_key_values=cache.copy())  # unchanged weights: accepted
+    with torch.no_grad():
+        a.blocks[0].ffn.down_proj.weight.add_(1e-3)
+    with pytest.raises(ValueError, match="before its weights were written"):
+        a(ids[:, :1], past_key_values=cache)
+    a(ids[:, :1], past_key_values=prefilled(a, DynamicCache(), ids))  # a new cache serves the new weights
+
+
 def test_a_bundle_keeps_its_identity_without_rehashing(tmp_path, monkeypatch):
     a, _ = twins()
     prefilled(a, DynamicCache(), torch.randint(0, 61, (1, 5))).save(tmp_path / "a.cache", model=a)

@@ -84,6 +84,9 @@ class MosaicGPT(nn.Module):
         self.tokenizer_digest: str | None = None
         # (version key of the weights, their weights_digest) once known: llm.bundle.model_identity
         self._digest: tuple[tuple, str] | None = None
+        # every parameter and buffer, listed for weights_version; None: list them again
+        self._weight_tensors: list[torch.Tensor] | None = None
+        self.register_load_state_dict_post_hook(lambda module, keys: module.forget_weight_tensors())
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections into the residual stream (Radford et al. 2019),
         # or zeros (zero_init_residual: modded-nanogpt's, each block starts as the identity)
@@ -124,6 +127,28 @@ class MosaicGPT(nn.Module):
         """SHA-256 (hex) of this model's config and weights, remembered while they do not change:
         :func:`llm.bundle.model_identity`."""
         return model_identity(self)
+
+    def weights_version(self) -> int:
+        """A count that grows whenever a weight is written in place (an optimizer step,
+        ``load_state_dict``, ``with torch.no_grad(): p.add_(...)``): the sum of the autograd
+        version counters of every parameter and buffer. Costs one attribute read per tensor (about
+        30 us for SmolLM2's 365), so a cache checks it at every forward (:meth:`llm.cache.Cache.claim`).
+        Inference tensors, which keep no counter, can only be written in inference mode: not seen.
+        The tensors are listed once and again after ``to()``, ``load_state_dict`` or quantization,
+        which replace them.
+        """
+        tensors = self._weight_tensors
+        if tensors is None:
+            tensors = self._weight_tensors = [t for t in (*self.parameters(), *self.buffers()) if not t.is_inference()]
+        return sum(t._version for t in tensors)
+
+    def forget_weight_tensors(self) -> None:
+        """List the weights again at the next :meth:`weights_version` (after modules were replaced)."""
+        self._weight_tensors = None
+
+    def _apply(self, fn, recurse: bool = True):
+        self._weight_tensors = None  # to(), float(), cuda()... may give new tensors
+        return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> "MosaicGPT":
         """Set training mode (``mode``) or eval mode; training forgets the remembered weights

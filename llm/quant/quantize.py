@@ -50,6 +50,8 @@ def projections(model: nn.Module) -> list[str]:
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
+    if hasattr(model, "forget_weight_tensors"):
+        model.forget_weight_tensors()
 
 
 def check_backend(backend: str, device: torch.device | str = "cpu") -> None:
