@@ -52,7 +52,7 @@ class Cache:
         one model's keys and values, so a forward by another model raises, with no argument to
         remember, and a forward by the model that filled it after its weights were written raises
         too. The model that filled it costs a :meth:`~llm.model.MosaicGPT.weights_version` per
-        forward (about 30 us for SmolLM2); another model's
+        forward (about 40 us for SmolLM2); another model's
         identity (its weights hashed once, :meth:`~llm.model.MosaicGPT.identity`) is computed only
         when it meets a cache stamped by something else.
 

@@ -15,6 +15,7 @@ derives positions from it (as llm-foundry's finetuning collator, with explicit m
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -33,7 +34,8 @@ def use_chat_template(tokenizer, chat_template: str = "auto") -> tuple[int, ...]
     eos): a model fine-tuned this way stops there, and its exported bundle carries the template.
 
     ``auto`` keeps a template the tokenizer has (SmolLM2's, say) and sets ChatML
-    (:data:`llm.data.tokenizer.CHATML_TEMPLATE`) otherwise; ``chatml`` sets ChatML; ``none`` sets
+    (:data:`llm.data.tokenizer.CHATML_TEMPLATE`) otherwise, or, where the tokenizer lacks ChatML's
+    tokens too, warns and trains on plain text as ``none`` (and returns ``(eos,)``); ``chatml`` sets ChatML; ``none`` sets
     nothing and returns ``(eos,)``. ChatML needs ``<|im_start|>`` and ``<|im_end|>`` as tokens,
     which every tokenizer trained by ``llm prepare`` reserves.
 
@@ -50,6 +52,10 @@ def use_chat_template(tokenizer, chat_template: str = "auto") -> tuple[int, ...]
     if chat_template == "chatml" or not getattr(tokenizer, "chat_template", None):
         vocab = tokenizer.get_vocab()
         missing = [token for token in CHATML_TOKENS if token not in vocab]
+        if missing and chat_template == "auto":  # a tokenizer trained before ChatML was reserved: plain text
+            warnings.warn("chat_template auto: the tokenizer has no chat template and no ChatML tokens; fine-tuning "
+                          "on prompt + response + eos as plain text (chat_template: none)", stacklevel=2)
+            return (tokenizer.eos_token_id,)
         if missing:
             raise ValueError(f"chat_template {chat_template}: ChatML needs the tokens {' '.join(CHATML_TOKENS)}, which "
                              f"this tokenizer lacks ({' '.join(missing)}; tokenizers trained by llm prepare have them): "

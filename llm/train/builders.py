@@ -115,7 +115,8 @@ def _finetune_loader(loader_cfg: Mapping[str, Any], tokenizer, max_seq_len: int,
     dataset_cfg = loader_cfg["dataset"]
     chat_template = dataset_cfg.get("chat_template", "auto")
     use_chat_template(tokenizer, chat_template)
-    dataset = build_finetune_dataset(dataset_cfg["path"], tokenizer, max_seq_len, chat_template != "none")
+    chat = chat_template != "none" and bool(getattr(tokenizer, "chat_template", None))
+    dataset = build_finetune_dataset(dataset_cfg["path"], tokenizer, max_seq_len, chat)
     if indices is not None:
         dataset = Subset(dataset, indices)
     drop_last = loader_cfg.get("drop_last", False)

@@ -63,9 +63,11 @@ def test_chatml_needs_its_tokens():
 
     bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<e>": 1}, unk_token="a")),
                                    eos_token="<e>")
-    with pytest.raises(ValueError, match=r"^chat_template auto: ChatML needs the tokens <\|im_start\|> <\|im_end\|>, "
+    with pytest.raises(ValueError, match=r"^chat_template chatml: ChatML needs the tokens <\|im_start\|> <\|im_end\|>, "
                                          r"which this tokenizer lacks .*or chat_template: none$"):
-        use_chat_template(bare)
+        use_chat_template(bare, "chatml")
+    with pytest.warns(UserWarning, match="plain text"):  # auto: a tokenizer from before ChatML trains on raw text
+        assert use_chat_template(bare) == (bare.eos_token_id,) and not bare.chat_template
     with pytest.raises(ValueError, match="chat_template must be one of"):
         use_chat_template(bare, "alpaca")
 
