@@ -6,10 +6,11 @@ template renders them: the prompt's tokens are the conversation up to the opened
 (``add_generation_prompt``), the response's the rest, the end-of-turn marker included, so the
 model learns where its turn ends and the server's chat route can talk to it. Without one
 (``chat_template: none``) an example is ``prompt tokens + response tokens + eos``. The labels
-are -100 on the prompt (no loss there) and the token ids on the response. Batches are padded to their longest example, on the
-left or the right, with ``attention_mask`` 0 on padding and labels -100 there, so padding never
-changes a real token's loss: the model takes the mask as both query and key padding mask and
-derives positions from it (as llm-foundry's finetuning collator, with explicit masks).
+are -100 on the prompt (no loss there) and the token ids on the response. Batches are padded
+to their longest example, on the left or the right, with ``attention_mask`` 0 on padding and
+labels -100 there, so padding never changes a real token's loss: the model takes the mask as
+both query and key padding mask and derives positions from it (as llm-foundry's finetuning
+collator, with explicit masks).
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ def use_chat_template(tokenizer, chat_template: str = "auto") -> tuple[int, ...]
 
     ``auto`` keeps a template the tokenizer has (SmolLM2's, say) and sets ChatML
     (:data:`llm.data.tokenizer.CHATML_TEMPLATE`) otherwise, or, where the tokenizer lacks ChatML's
-    tokens too, warns and trains on plain text as ``none`` (and returns ``(eos,)``); ``chatml`` sets ChatML; ``none`` sets
-    nothing and returns ``(eos,)``. ChatML needs ``<|im_start|>`` and ``<|im_end|>`` as tokens,
+    tokens too, warns and trains on plain text as ``none``; ``chatml`` sets ChatML; ``none`` sets
+    nothing. Both fallbacks return ``(eos,)``. ChatML needs ``<|im_start|>`` and ``<|im_end|>`` as tokens,
     which every tokenizer trained by ``llm prepare`` reserves.
 
     Raises:
-        ValueError: for another value, a tokenizer without ChatML's tokens, or a template that does
+        ValueError: for another value, ``chatml`` on a tokenizer without its tokens, or a template that does
             not render a conversation as its prompt followed by the reply.
     """
     from llm.data.tokenizer import CHATML_TEMPLATE, CHATML_TOKENS
