@@ -424,12 +424,17 @@ class Engine:
         the same tensor without a grammar)."""
         if sequence.matcher is None:
             return logits
-        from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
-        mask = allocate_token_bitmask(1, logits.shape[-1])
+        vocab = logits.shape[-1]
+        mask = allocate_token_bitmask(1, vocab)
         fill_next_token_bitmask(sequence.matcher, mask, 0)
+        # bit j of word i allows token 32 i + j; unpacked here in eager mode, as llguidance's own
+        # helper is a torch.compile'd function: a compile wait at the first grammar, and a crash
+        # where inductor's cache holds another machine's build
+        bits = (mask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = logits.to("cpu", torch.float32, copy=True)  # masked on the CPU; the raw logits stay for logprobs
-        apply_token_bitmask_inplace(allowed, mask)
+        allowed.masked_fill_(bits.view(1, -1)[:, :vocab] == 0, float("-inf"))
         return allowed.to(logits.device)
 
     def _emit(self, sequence: Sequence, token: int, logits: torch.Tensor) -> bool:
