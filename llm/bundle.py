@@ -19,7 +19,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llm.cache import tokenizer_digest
 from llm.config import FLOAT_KEYS, MosaicGPTConfig
 from llm.data.sources import DataError
 from llm.generation.config import GENERATION_CONFIG_FILE, GenerationConfig, load_generation_config
@@ -27,6 +26,7 @@ from llm.io import atomic_write, shape_mismatches
 from llm.quant import METHODS, QUANTIZATION_FILE, quantize, quantize_like
 from llm.quant.quantize import EMBEDDING, HEAD, check_backend, projections
 from llm.utils.pretrained import resolve, unknown_model
+from llm.utils.tokens import TOKENIZER_DIGEST_KEY, tokenizer_digest, tokenizer_misfit
 
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
@@ -37,8 +37,6 @@ WEIGHTS_FILE = "model.safetensors"
 LOADERS: dict[str, Callable[..., Any]] = {}
 #: Key of ``model.safetensors``' metadata holding :func:`weights_digest` of the tensors written.
 WEIGHTS_DIGEST_KEY = "llm.weights_sha256"
-#: The weights' metadata key of the digest of the tokenizer saved with them (:func:`llm.cache.tokenizer_digest`).
-TOKENIZER_DIGEST_KEY = "llm.tokenizer_sha256"
 
 
 def weights_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -258,25 +256,12 @@ def check_finite_weights(model, source: str | os.PathLike) -> None:
 
 def check_tokenizer_fits(tokenizer: object, model, name: str) -> None:
     """Raise DataError (a ValueError) when ``tokenizer`` is not ``model``'s (``name``: how the
-    user named it): it was saved with the model (``model.tokenizer_digest``, written by
-    ``save_pretrained(tokenizer=...)``) and this one's :func:`~llm.cache.tokenizer_digest`
-    differs, or it makes ids past the model's vocabulary (more tokens than the model has rows,
-    or a special token beyond them). A smaller tokenizer can be the model's (vocabularies padded
-    to a multiple of 64, as GPT-2's)."""
-    vocab_size = model.config.vocab_size
-    saved = getattr(model, "tokenizer_digest", None)
-    if saved is not None and tokenizer_digest(tokenizer) != saved:
-        raise DataError(f"the tokenizer in {name} is not the one saved with its weights (another tokenizer copied "
-                        f"into the folder?): its token ids would mean other text to the model")
-    size = len(tokenizer)
-    if size > vocab_size:
-        raise DataError(f"the tokenizer of {name} has {size} tokens, more than the model's vocabulary of "
-                        f"{vocab_size}: it is not this model's tokenizer")
-    for role in ("eos_token", "bos_token", "pad_token", "unk_token"):
-        index = getattr(tokenizer, role + "_id", None)
-        if index is not None and not 0 <= index < vocab_size:
-            raise DataError(f"the tokenizer of {name} gives its {role} the id {index}, outside the model's "
-                            f"vocabulary of {vocab_size}: it is not this model's tokenizer")
+    user named it): see :func:`llm.utils.tokens.tokenizer_misfit`, with the digest of the
+    tokenizer saved with the weights (``model.tokenizer_digest``, written by
+    ``save_pretrained(tokenizer=...)``)."""
+    problem = tokenizer_misfit(tokenizer, model.config.vocab_size, getattr(model, "tokenizer_digest", None), name)
+    if problem is not None:
+        raise DataError(problem)
 
 
 def _read_quantization(directory: Path) -> dict | None:

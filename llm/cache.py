@@ -18,8 +18,6 @@ one), is refused instead of silently changing the output.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import weakref
 from typing import Iterator, Sequence
@@ -28,6 +26,7 @@ import torch
 
 from llm.config import MosaicGPTConfig
 from llm.io import atomic_write
+from llm.utils.tokens import tokenizer_digest
 
 _FORMAT = "llm.cache/v1"
 
@@ -366,23 +365,6 @@ class Cache:
     def __repr__(self) -> str:
         shape = tuple(self._keys[0].shape) if self._keys else None
         return f"{type(self).__name__}(layers={len(self)}, seq_length={self.get_seq_length()}, storage={shape})"
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """SHA-256 (hex) of what decides a tokenizer's token ids.
-
-    Args:
-        tokenizer: a transformers fast tokenizer or a ``tokenizers.Tokenizer``.
-
-    Returns:
-        The digest of its ``tokenizer.json`` (vocabulary, merges, normalizer, pre-tokenizer,
-        added tokens, post-processor) without the padding and truncation settings, which
-        transformers rewrites whenever the tokenizer is called with other ones.
-    """
-    spec = json.loads(getattr(tokenizer, "backend_tokenizer", tokenizer).to_str())
-    spec.pop("padding", None)
-    spec.pop("truncation", None)
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def _is_cache_state(state) -> bool:

@@ -101,8 +101,10 @@ def test_an_export_killed_then_run_again_writes_what_one_run_writes(bundle, expo
     killed = _run(["export", "--model", bundle, "--to", to, "--out", out], kill)
     assert killed.returncode == -9, killed.stderr
     assert not out.exists()  # nothing half-written where the export goes
+    assert [p.name.startswith(f".{name}.") for p in tmp_path.iterdir()] == [True]  # the killed write's
     again = _run(["export", "--model", bundle, "--to", to, "--out", out])
     assert again.returncode == 0, again.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # the rerun removed what the killed one left
     if to == "gguf":
         assert out.read_bytes() == (exported_once / name).read_bytes()
     else:

@@ -62,7 +62,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=integer(), default=DEFAULT_SHARD_SIZE,
                    help="bytes per shard file (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or status lines")
+    p.add_argument("--quiet", action="store_true", help="print only errors and warnings (no progress, no summary)")
     return p
 
 
@@ -114,5 +114,6 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    print("\n".join(summary(manifest, args.out)))
+    if not args.quiet:
+        print("\n".join(summary(manifest, args.out)))
     return 0

@@ -30,6 +30,7 @@ from llm.data.gguf_tokenizer import gguf_tokenizer
 from llm.data.sources import DataError
 from llm.io import atomic_write
 from llm.utils.pretrained import PRETRAINED, resolve
+from llm.utils.tokens import TOKENIZER_DIGEST_KEY, tokenizer_misfit
 
 if TYPE_CHECKING:  # transformers loads when a tokenizer is made: a second of `import llm` otherwise
     from transformers import PreTrainedTokenizerFast
@@ -134,7 +135,9 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast:
         TokenizerNotFoundError: (a FileNotFoundError and a DataError) no such file or folder and
             not a registered name, or a folder with no tokenizer in it.
         FileNotFoundError: a registered name whose file is not fetched yet.
-        DataError: naming it and the allowed forms, for a tokenizer that cannot be loaded.
+        DataError: naming it and the allowed forms, for a tokenizer that cannot be loaded; or, for
+            a model folder, naming why its tokenizer is not the model's (another tokenizer copied in:
+            :func:`~llm.utils.tokens.tokenizer_misfit`).
     """
     spec, path = str(name_or_path), Path(name_or_path)
     if not path.exists() and spec not in PRETRAINED:
@@ -145,6 +148,7 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast:
             tokenizer = _from_tokenizer_file(path)
         elif path.is_dir():
             tokenizer = _from_folder(path / "tokenizer" if (path / "llm_data.json").is_file() else path)
+            _check_bundle_fit(tokenizer, path)
         else:  # a .gguf file or a registered name
             tokenizer = gguf_tokenizer(resolve(spec)[1])
     except (DataError, FileNotFoundError):
@@ -155,6 +159,27 @@ def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast:
                         f"{SPEC_FORMS}") from None
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _check_bundle_fit(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    """In a model bundle (``config.yaml`` and ``model.safetensors``), raise DataError when the tokenizer
+    is not the model's: another digest than the one saved with the weights, or ids past its vocabulary."""
+    weights, config = folder / "model.safetensors", folder / "config.yaml"
+    if not (weights.is_file() and config.is_file()):
+        return
+    from safetensors import safe_open
+
+    from llm.config import MosaicGPTConfig
+
+    try:
+        vocab_size = MosaicGPTConfig.load(config).vocab_size
+        with safe_open(str(weights), framework="numpy") as f:
+            saved = (f.metadata() or {}).get(TOKENIZER_DIGEST_KEY)
+    except Exception:  # not one of our bundles, or a damaged one: loading the model says what is wrong
+        return
+    problem = tokenizer_misfit(tokenizer, vocab_size, saved, str(folder))
+    if problem is not None:
+        raise DataError(problem)
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | os.PathLike) -> None:

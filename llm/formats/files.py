@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
+
+from llm.io import fresh_sibling, remove_stale_siblings
 
 
 def replace_directory(target: Path, write, overwrite: bool) -> None:
@@ -21,6 +22,7 @@ def replace_directory(target: Path, write, overwrite: bool) -> None:
     target = Path(target)
     check_replaceable(target, overwrite, _is_model_folder, "a model folder (config.json and files only)")
     make_parent(target)
+    remove_stale_siblings(target)
     tmp = fresh_sibling(target, "tmp")
     tmp.mkdir()  # unlike tempfile.mkdtemp (0700), with the umask's permissions, as any folder
     try:
@@ -56,11 +58,6 @@ def check_replaceable(target: Path, overwrite: bool, is_ours, what: str) -> None
     if not is_ours(target):
         raise FileExistsError(f"{target} exists and is not {what}: not replacing it; remove it yourself or "
                               "write elsewhere")
-
-
-def fresh_sibling(target: Path, suffix: str) -> Path:
-    """A name beside ``target`` that nothing has (never a user's file: a random part)."""
-    return target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.{suffix}")
 
 
 def _is_model_folder(path: Path) -> bool:

@@ -85,7 +85,7 @@ class MosaicGPT(nn.Module):
         self.generation_config = GenerationConfig()
         #: how the weights are quantized (a :class:`~llm.quant.QuantizationReport`), None when they are not
         self.quantization = None
-        #: digest of the tokenizer saved with the weights (llm.cache.tokenizer_digest), None if unknown
+        #: digest of the tokenizer saved with the weights (llm.utils.tokens.tokenizer_digest), None if unknown
         self.tokenizer_digest: str | None = None
         # (version key of the weights, their weights_digest) once known: llm.bundle.model_identity
         self._digest: tuple[tuple, str] | None = None

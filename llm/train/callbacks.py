@@ -205,9 +205,9 @@ class RunPlan(Callback):
             return f"{n / 1e6:.2f}M {unit}" if n >= 1e6 else f"{n:,} {unit}"
 
         if dist.get_global_rank() == 0:
-            print(f"run plan: {batches} batches of {amount(size)} ({amount(batches * size)}), an epoch is {per_epoch} "
+            print(f"run plan: {batches:,} batches of {amount(size)} ({amount(batches * size)}), an epoch is {per_epoch:,} "
                   f"batches ({amount(per_epoch * size)}): {batches / per_epoch:.2f} epochs"
-                  + (f"; resuming at batch {done}" if done else ""), file=sys.stderr, flush=True)
+                  + (f"; resuming at batch {done:,}" if done else ""), file=sys.stderr, flush=True)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._batches is None:

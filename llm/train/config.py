@@ -542,7 +542,8 @@ class RunConfig:
 
     * ``max_duration``: units ba, ep, sp, tok, > 0. ``eval_interval``, ``save_interval``: units ba,
       ep, sp, tok or dur (a fraction of the run), > 0 (an int ``eval_interval`` is epochs).
-      ``console_log_interval``: ba or ep. ``eval_subset_num_batches``: -1 (all) or > 0.
+      ``console_log_interval``: ba or ep. ``eval_subset_num_batches``: -1 (all) or > 0, for the
+      evaluations during training (the final one reads every batch).
     * ``global_train_batch_size`` (> 0, over all ranks), ``device_train_microbatch_size`` (> 0,
       ``auto``, or null: the whole per-rank batch), ``device_eval_batch_size`` (> 0; default:
       ``global_train_batch_size`` in training), ``precision`` (null: Composer's choice;

@@ -358,6 +358,8 @@ def test_cli(corpus, bpe, tmp_path, capsys):
     assert printed.startswith(f"tokenizer: {tmp_path / 'tok'}, {len(bpe):,} tokens\n")
     assert main(argv) == 0
     assert "already prepared" in capsys.readouterr().err
+    assert main(argv + ["--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")  # --quiet: errors and warnings only
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     latin = tmp_path / "latin.txt"

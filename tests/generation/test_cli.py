@@ -304,3 +304,11 @@ def test_a_tokenizer_that_is_not_the_models_is_refused(bundle, capsys, tmp_path)
     assert f"has {len(wide)} tokens, more than the model's vocabulary of {len(tokenizer)}" in err
     # the model's own tokenizer passes, saved and loaded back
     assert "the" in run(capsys, "--model", path, "--prompt", "the", "--max-new-tokens", "2").out
+    # the Python API refuses them as it loads the folder's tokenizer, with the same lines
+    from llm import load_tokenizer
+
+    with pytest.raises(ValueError, match="is not the one saved with its weights"):
+        load_tokenizer(folder)
+    with pytest.raises(ValueError, match=f"has {len(wide)} tokens, more than the model's vocabulary"):
+        load_tokenizer(tmp_path / "bare")
+    assert len(load_tokenizer(path)) == len(tokenizer)

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llm.formats.files import check_replaceable, fresh_sibling, make_parent
+from llm.formats.files import check_replaceable, make_parent
+from llm.io import fresh_sibling, remove_stale_siblings
 from llm.formats.transformers import architecture
 
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
@@ -185,6 +186,7 @@ def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32",
     make_parent(path)
     tensors = gguf_tensors(model, gguf_type)
     c = model.config
+    remove_stale_siblings(path)
     tmp = fresh_sibling(path, "tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     try:
