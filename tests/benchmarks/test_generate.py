@@ -141,3 +141,17 @@ def test_the_fast_table_refuses_settings_that_time_no_decoding(argv, capsys):
     with pytest.raises(SystemExit):
         main(["--fast", *argv])
     assert "--fast needs --repeats >= 1 and --new-tokens >= 2" in capsys.readouterr().err
+
+
+def test_the_cache_stamp_benchmark_compares_the_same_tokens_with_and_without_the_check(tmp_path, capsys):
+    import json
+
+    from benchmarks import cache_stamp
+    from llm.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer("bpe:300", ["the quick brown fox jumps over the lazy dog " * 20])
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "m", tokenizer=tokenizer)
+    assert cache_stamp.main(["--model", str(tmp_path / "m"), "--rounds", "2", "--new-tokens", "6"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rounds"] == 2 and result["ratio_low"] <= result["ratio_median"] <= result["ratio_high"]
+    assert result["tokens_per_s_with_check"] > 0 and result["tokens_per_s_without"] > 0
