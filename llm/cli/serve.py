@@ -38,6 +38,13 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=integer(), default=256,
                    help="the most prompt tokens prefilled between two decoding steps: a longer prompt is prefilled "
                         "in chunks, so it delays the running answers by one chunk's time (default 256)")
+    p.add_argument("--speculative", choices=["none", "lookup"], default="none",
+                   help="lookup: every request's rows copy drafts from where their last tokens occurred before "
+                        "(prompt lookup, LLMA), verified for all rows in the batch's steps: the same tokens, "
+                        "more of them per step on text that repeats its prompt (a request's "
+                        "prompt_lookup_num_tokens sets its own draft length either way)")
+    p.add_argument("--num-speculative-tokens", type=integer(), default=5,
+                   help="the most tokens drafted per row and step with --speculative lookup (default 5)")
     add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
     p.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
@@ -94,6 +101,8 @@ def loader(args):
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
         if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:
             defaults = defaults.update(eos_token_id=tokenizer.eos_token_id)
+        if args.speculative == "lookup":
+            defaults = defaults.update(prompt_lookup_num_tokens=args.num_speculative_tokens, max_matching_ngram_size=3)
         engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                         prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile,
                         prefill_chunk=args.chunked_prefill_size).start()

@@ -335,26 +335,23 @@ inline F exp16(F x) {
 }
 
 // One query's heads of one kv head (grouped-query attention: G query heads read the same keys, so
-// each key and value row is loaded once for all of them), over keys j0 .. j1 - 1 of a cache
-// buffer, those that mask says to use; head_dim = 16 * DV. Per head g it leaves the largest score
-// top[g], the sum of exp(score - top[g]) total[g] and acc (G, D), the sum of those weights times
-// the values, for the parts of the keys to be merged (flash-decoding). s: G * (j1 - j0) floats.
-// The order of every sum counts from j0 alone.
+// each key and value row is loaded once for all of them), over the keys of columns j0 .. j1 - 1 of
+// a cache buffer that mask says to use, at most kSpan of them; head_dim = 16 * DV. Per head g it
+// leaves the largest score top[g], the sum of exp(score - top[g]) total[g] and acc (G, D), the sum
+// of those weights times the values, for the parts of the keys to be merged (flash-decoding).
+// s: G * kSpan floats. The order of every sum counts the keys used alone (the c-th key used is
+// the c-th term wherever it stands), so masked columns between them (a rejected draft, padding
+// between a prefix and a request) change no bit.
 template <int DV>
 void attend(const float* q, int64_t G, const float* k, const float* v, const bool* mask, const float* bias,
             int64_t bias_stride, int64_t j0, int64_t j1, float scale, float* s, float* top, float* total,
             float* acc) {
   constexpr int64_t D = DV * kLanes;
-  const int64_t L = j1 - j0;
   const float inf = std::numeric_limits<float>::infinity();
   for (int64_t g = 0; g < G; ++g) top[g] = -inf;
-  bool any = false;
+  int64_t n = 0;  // keys used so far: s[g * kSpan + c] holds head g's score of the c-th
   for (int64_t j = j0; j < j1; ++j) {
-    if (!mask[j]) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + j - j0] = -inf;
-      continue;
-    }
-    any = true;
+    if (!mask[j]) continue;
     F kr[DV];
     for (int c = 0; c < DV; ++c) kr[c] = fload(k + j * D + c * kLanes);
     for (int64_t g = 0; g < G; ++g) {
@@ -362,42 +359,35 @@ void attend(const float* q, int64_t G, const float* k, const float* v, const boo
       for (int c = 1; c < DV; ++c) dot = ffma(fload(q + g * D + c * kLanes), kr[c], dot);
       float score = fsum(dot) * scale;
       if (bias) score += bias[g * bias_stride + j];
-      s[g * L + j - j0] = score;
+      s[g * kSpan + n] = score;
       if (!(score <= top[g])) top[g] = score;  // NaN wins, so that it reaches the output
     }
+    ++n;
   }
   for (int64_t g = 0; g < G; ++g) {
-    float* row = s + g * L - j0;  // row[j] for j0 <= j < j1
+    float* row = s + g * kSpan;
     F acc0[DV], acc1[DV];
     for (int c = 0; c < DV; ++c) acc0[c] = acc1[c] = fzero();
     total[g] = 0.f;
-    if (any) {
+    if (n) {
       const F topv = fset(top[g]);
       F sum = fzero();
-      for (int64_t j = j0; j < j1; j += kLanes) {
-        const F x = fload_n(row + j, j1 - j, -inf);
-        // masked keys (-inf) weigh exactly 0; NaN is unordered, so it is kept
+      for (int64_t c = 0; c < n; c += kLanes) {
+        const F x = fload_n(row + c, n - c, -inf);
+        // lanes past the last key (-inf) weigh exactly 0; NaN is unordered, so it is kept
         const F p = fwhere_real(x, exp16(fsub(x, topv)));
-        fstore_n(row + j, p, j1 - j);
+        fstore_n(row + c, p, n - c);
         sum = fadd(sum, p);
       }
       total[g] = fsum(sum);
-      // two keys at a time: two independent chains of additions per lane. A masked row is never
-      // read: a static buffer's unwritten rows may hold anything.
-      int64_t j = j0;
-      for (; j + 1 < j1; j += 2) {
-        if (mask[j]) {
-          const F p = fset(row[j]);
-          for (int c = 0; c < DV; ++c) acc0[c] = ffma(p, fload(v + j * D + c * kLanes), acc0[c]);
-        }
-        if (mask[j + 1]) {
-          const F p = fset(row[j + 1]);
-          for (int c = 0; c < DV; ++c) acc1[c] = ffma(p, fload(v + (j + 1) * D + c * kLanes), acc1[c]);
-        }
-      }
-      if (j < j1 && mask[j]) {
-        const F p = fset(row[j]);
-        for (int c = 0; c < DV; ++c) acc0[c] = ffma(p, fload(v + j * D + c * kLanes), acc0[c]);
+      // the keys used alternate between two independent chains of additions per lane. A masked
+      // row is never read: a static buffer's unwritten rows may hold anything.
+      int64_t c = 0;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (!mask[j]) continue;
+        const F p = fset(row[c]);
+        F* chain = (c++ & 1) ? acc1 : acc0;
+        for (int d = 0; d < DV; ++d) chain[d] = ffma(p, fload(v + j * D + d * kLanes), chain[d]);
       }
     }
     for (int c = 0; c < DV; ++c) fstore(acc + g * D + c * kLanes, fadd(acc0[c], acc1[c]));
@@ -409,10 +399,10 @@ void attend(const float* q, int64_t G, const float* k, const float* v, const boo
 // and the masking as separate passes over the buffer; masked keys are neither read nor weighted.
 // Scores, softmax and sums are float32, as the torch path's.
 //
-// Batch- and call-invariant by construction: a query's keys, from the first it may see to the last,
-// are cut into parts of kSpan keys counted from that first key, each part reduced in one fixed order
-// and the parts merged in order (flash-decoding), whatever the other queries, the batch, the buffer
-// offset (left padding) or the threads. Only who computes a part changes: with few (query, kv head)
+// Batch- and call-invariant by construction: the keys a query may see are cut into parts of kSpan
+// keys, counting only those it may see, each part reduced in one fixed order and the parts merged
+// in order (flash-decoding), whatever the other queries, the batch, the buffer offset (left
+// padding), masked columns among its keys or the threads. Only who computes a part changes: with few (query, kv head)
 // pairs each part is a task of its own (results kept, then merged), with many each pair is a task.
 struct Attention {
   const float* q;     // (B, KV, S, G, D): a pair's G query heads together
@@ -423,24 +413,33 @@ struct Attention {
   int64_t B, KV, S, G, D, T, pairs, parts;
   float scale;
   bool split;
-  std::vector<int64_t> lo, hi;  // per (b, i): the keys from the first it may see to the last, [lo, hi)
+  // per (b, i) and part p: the buffer column of its first key, starts[(b * S + i) * (parts + 1) + p],
+  // then one past its last key (a part of kSpan keys it may see spans more columns where some are masked)
+  std::vector<int64_t> starts;
   std::vector<float> top, total, acc;
 
   Attention(const float* q_, const float* k_, const float* v_, const bool* mask_, const float* bias_, int64_t B_,
             int64_t KV_, int64_t S_, int64_t G_, int64_t D_, int64_t T_, float scale_, int64_t threads)
       : q(q_), k(k_), v(v_), mask(mask_), bias(bias_), B(B_), KV(KV_), S(S_), G(G_), D(D_), T(T_), scale(scale_) {
     pairs = B * KV * S;
-    lo.assign(B * S, 0), hi.assign(B * S, 0);
     int64_t longest = 0;
     for (int64_t r = 0; r < B * S; ++r) {
       const bool* m = mask + r * T;
-      int64_t a = 0, e = T;
-      while (a < T && !m[a]) ++a;
-      while (e > a && !m[e - 1]) --e;
-      lo[r] = a, hi[r] = e;
-      longest = std::max(longest, e - a);
+      longest = std::max<int64_t>(longest, std::count(m, m + T, true));
     }
     parts = std::max<int64_t>(1, (longest + kSpan - 1) / kSpan);
+    starts.assign(B * S * (parts + 1), 0);
+    for (int64_t r = 0; r < B * S; ++r) {
+      const bool* m = mask + r * T;
+      int64_t* st = starts.data() + r * (parts + 1);
+      int64_t seen = 0, end = 0;
+      for (int64_t j = 0; j < T; ++j) {
+        if (!m[j]) continue;
+        if (seen % kSpan == 0) st[seen / kSpan] = j;
+        ++seen, end = j + 1;
+      }
+      for (int64_t p = (seen + kSpan - 1) / kSpan; p <= parts; ++p) st[p] = end;  // empty parts end it
+    }
     split = pairs < 4 * threads && parts > 1;
     if (split) {
       top.resize(pairs * parts * G);
@@ -456,7 +455,7 @@ struct Attention {
   // Part p of pair's keys into tp (G), sp (G), ap (G, D); s: G * kSpan floats.
   void part(int64_t pair, int64_t p, float* s, float* tp, float* sp, float* ap) const {
     const int64_t b = pair / (KV * S), h = (pair / S) % KV, i = pair % S, r = b * S + i;
-    const int64_t j0 = std::min(hi[r], lo[r] + p * kSpan), j1 = std::min(hi[r], j0 + kSpan);
+    const int64_t j0 = starts[r * (parts + 1) + p], j1 = starts[r * (parts + 1) + p + 1];
     const float* kt = k + (b * KV + h) * T * D;
     const float* vt = v + (b * KV + h) * T * D;
     // bias (b, h * G + g, i, :): heads of a group are S * T apart

@@ -47,19 +47,21 @@ class SlotBatch:
         self.cache: StaticCache | None = None
         self.key_mask: torch.Tensor | None = None
         self._step = None
+        self._fed = (0, 0)  # the columns of the last step_many: (first, width)
 
     def __len__(self) -> int:
         """The number of rows (not slots)."""
         return sum(row is not None for row in self.rows)
 
-    def _relayout(self, slots: int, column: int) -> None:
+    def _relayout(self, slots: int, column: int, room: int = 1) -> None:
         """New buffers of ``slots`` slots holding every row, the current column moved to at least
-        ``column`` and at least the rows' longest span; the capacity is what that needs, twice."""
+        ``column`` and at least the rows' longest span; the capacity is what that needs, twice,
+        and at least ``room`` columns past it."""
         live = [s for s, row in enumerate(self.rows) if row is not None]
         low = min((self.starts[s] for s in live), default=self.column)
         span = self.column - low
         new_column = max(span, column)
-        capacity = cache_capacity(max(2 * new_column, 1))
+        capacity = cache_capacity(max(2 * new_column, new_column + room))
         shift = new_column - self.column
         model = self.model
         # zeroing a buffer of 16 slots x 1024 positions (720 MiB for SmolLM2) takes 0.2 s: not
@@ -110,10 +112,16 @@ class SlotBatch:
             self.rows[slot], self.starts[slot] = row, start
 
     def leave(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Free ``slot``; return its row's keys and values, per layer (1, kv_n_heads, n, head_dim) copies."""
+        """Free ``slot``; return its row's keys and values, per layer (1, kv_n_heads, n, head_dim)
+        copies of its real positions in order (a rejected draft's columns left out)."""
         start = self.starts[slot]
-        past = [(k[slot:slot + 1, :, start:self.column].clone(), v[slot:slot + 1, :, start:self.column].clone())
-                for k, v in zip(self.cache._keys, self.cache._values)]
+        real = self.key_mask[slot, start:self.column].nonzero().squeeze(1) + start
+        if real.numel() == self.column - start:  # no holes: a slice
+            past = [(k[slot:slot + 1, :, start:self.column].clone(), v[slot:slot + 1, :, start:self.column].clone())
+                    for k, v in zip(self.cache._keys, self.cache._values)]
+        else:
+            past = [(k[slot:slot + 1, :, real], v[slot:slot + 1, :, real])
+                    for k, v in zip(self.cache._keys, self.cache._values)]
         self.rows[slot] = None
         self.key_mask[slot] = False
         return past
@@ -122,6 +130,43 @@ class SlotBatch:
         """Fewer slots when at most a quarter are taken (rows move: slots are renumbered)."""
         if len(self.rows) > 1 and len(self) * 4 <= len(self.rows):
             self._relayout(_slots_for(max(len(self), 1), self.max_slots), 0)
+
+    def step_many(self, tokens_of) -> torch.Tensor:
+        """Feed each row its next tokens, ``tokens_of(row)`` (a list of at least one int: the last
+        token, then a draft to verify), in one forward of width W, the longest list: row r's i-th
+        token at column ``column + i``, the columns past its own list masked. Return (slots, W,
+        vocab_size) logits, row r's i-th the next-token logits after its i-th token (a free slot's
+        and those past a row's list are meaningless). The column moves on by W; call
+        :meth:`keep` for each row that accepted fewer than all of its tokens.
+
+        One call's logits of a row are those of its tokens fed one step at a time: the key mask
+        gives each query the keys and the positions (counted over the mask) that it would have had
+        (on our kernels, bit for bit: a query's reduction order does not depend on its neighbours).
+        """
+        feeds = [tokens_of(row) if row is not None else [] for row in self.rows]
+        width = max(len(f) for f in feeds)
+        if width == 1:
+            first = {id(row): feed[0] for row, feed in zip(self.rows, feeds) if row is not None}
+            return self.step(lambda row: first[id(row)])[:, None]
+        if self.column + width > self.capacity:
+            self._relayout(len(self.rows), 0, room=width)
+        column, device = self.column, self.key_mask.device
+        for slot, feed in enumerate(feeds):
+            self.key_mask[slot, column:column + width] = False
+            self.key_mask[slot, column:column + len(feed)] = True
+        ids = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)
+        position = torch.arange(column, column + width, device=device)
+        logits = self.model.forward_static(ids, self.cache, position, self.key_mask)
+        self._fed = (column, width)
+        self.column += width
+        self.cache.set_seq_length(self.column)
+        return logits
+
+    def keep(self, slot: int, count: int) -> None:
+        """After :meth:`step_many`: keep only the first ``count`` tokens fed to ``slot`` (those whose
+        next token was accepted); the later columns are masked, never read again."""
+        column, width = self._fed
+        self.key_mask[slot, column + count:column + width] = False
 
     def step(self, token_of) -> torch.Tensor:
         """Feed each row's next token, ``token_of(row)`` (an int); return (slots, vocab_size)

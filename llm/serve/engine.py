@@ -18,9 +18,13 @@ iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's contin
   on its own eos, stop strings or ``max_new_tokens``. A row's tokens are those of the same
   request run alone through ``generate`` (greedy; with a seed, the same draws): its positions,
   mask and sampling are its own, whatever else is in the batch;
-- a request that asks for reference decoding (``prompt_lookup_num_tokens``) decodes in a loop
-  of its own (:func:`~llm.generation.generate.start_decoding`), one verification forward per
-  engine step, alongside the batch.
+- a row with ``prompt_lookup_num_tokens`` speculates (reference decoding: LLMA, Yang et al.
+  2023; vLLM's n-gram speculation): its step feeds its last token and a draft copied from where
+  its last n-gram occurred before (:class:`~llm.generation.candidates.PromptLookup`), all rows'
+  in one forward (:meth:`~llm.serve.batch.SlotBatch.step_many`), and it emits tokens in order
+  from the logits after each fed token for as long as the token picked equals the draft's next:
+  the tokens (greedy, or sampled with the row's own generator, one draw per token) are those of
+  decoding without a draft, and a step gives a row one token more per accepted draft token.
 
 The engine runs on one thread (:meth:`Engine.start`); :meth:`Engine.submit` is safe to call from
 any other, and reports each new token through a callback on the engine's thread. The queue of
@@ -39,10 +43,10 @@ from typing import Callable
 import torch
 
 from llm.cache import DynamicCache
+from llm.generation.candidates import PromptLookup
 from llm.generation.compiled import PREFILL_CHUNK, StaticDecoder
 from llm.generation.config import GenerationConfig
 from llm.generation.decoding import StopStrings, check_finite_logits, check_token_ids
-from llm.generation.generate import start_decoding
 from llm.generation.sampling import Sampler
 from llm.serve.batch import SlotBatch
 from llm.serve.prefix import PrefixCache, layers_of
@@ -93,8 +97,9 @@ class Sequence:
     seen: torch.Tensor | None = None
     eos: frozenset = frozenset()
     stop: StopStrings | None = None
-    decoding: object = None
-    decoding_steps: object = None
+    lookup: PromptLookup | None = None  # the drafts of a speculating row
+    draft_tokens: int = 0  # draft tokens it fed, and of them those accepted
+    accepted_tokens: int = 0
     prefill_cache: object = None  # the prompt's cache while it is prefilled chunk by chunk
     prefilled: int = 0  # prompt positions in prefill_cache
 
@@ -137,7 +142,6 @@ class Engine:
         self.model, self.tokenizer, self.compile = model, tokenizer, compile
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.batch = SlotBatch(model, max_batch_size, compile=compile)
-        self.solo: list[Sequence] = []
         self.prefix = PrefixCache(prefix_cache_tokens)
         self._waiting: deque[Sequence] = deque()
         self._work = threading.Condition()
@@ -184,8 +188,6 @@ class Engine:
                                  f"{needed} positions, more than max_seq_len={config.max_seq_len}")
             if options.stop_strings and self.tokenizer is None:
                 raise ValueError("stop strings need the engine's tokenizer")
-            if (logprobs is not None or grammar is not None) and options.prompt_lookup_num_tokens is not None:
-                raise ValueError("logprobs or a grammar with prompt_lookup_num_tokens is not supported")
             matcher = self._matcher(grammar) if grammar is not None else None
             sequences.append(Sequence(list(prompt), options, callback, logprobs=logprobs, matcher=matcher))
         if len(sequences) > self.max_queue:
@@ -225,7 +227,7 @@ class Engine:
         with self._work:
             self._refusing = True
             batch = [s for s in self.batch.rows if s is not None]
-            for sequence in [*self._waiting, *self.solo, *self.prefilling, *batch]:
+            for sequence in [*self._waiting, *self.prefilling, *batch]:
                 sequence.cancel("shutdown")
             self._work.notify()
 
@@ -235,7 +237,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self.batch) + len(self.solo) + len(self.prefilling) + len(self._joining)
+        return len(self.batch) + len(self.prefilling) + len(self._joining)
 
     # -- the loop (the engine's thread) -----------------------------------------------------
     def start(self) -> "Engine":
@@ -263,8 +265,8 @@ class Engine:
     def step(self) -> bool:
         """One iteration: drop cancelled sequences, admit waiting ones while slots are free, prefill
         up to ``prefill_chunk`` of their prompt tokens (a prompt done: its first token emitted, its
-        row joins the batch), then one token for every batch row and one step of each
-        reference-decoding row. Returns whether there was anything to do (False: idle)."""
+        row joins the batch), then one token for every batch row (more for a speculating row whose
+        draft is accepted). Returns whether there was anything to do (False: idle)."""
         self._drop_cancelled()
         admitted = self._admit()
         self._prefill_some()
@@ -272,8 +274,6 @@ class Engine:
         self.batch.join_all(joining)  # one re-layout of the buffer for all of them
         if len(self.batch):
             self._decode_batch()
-        for sequence in list(self.solo):
-            self._advance_solo(sequence)
         self.steps += 1
         return bool(admitted or self.running or self._waiting)
 
@@ -287,10 +287,9 @@ class Engine:
             if sequence is not None and sequence.cancelled:
                 self.batch.leave(slot)
                 gone.append(sequence)
-        for queue in (self.solo, self.prefilling):
-            for sequence in [s for s in queue if s.cancelled]:
-                queue.remove(sequence)
-                gone.append(sequence)
+        for sequence in [s for s in self.prefilling if s.cancelled]:
+            self.prefilling.remove(sequence)
+            gone.append(sequence)
         self.batch.shrink()
         for sequence in gone:
             sequence.finish_reason = sequence.cancelled
@@ -314,16 +313,11 @@ class Engine:
     def _start(self, sequence: Sequence) -> None:
         options, model = sequence.options, self.model
         ids = torch.tensor([sequence.prompt], device=model.device)
-        if options.prompt_lookup_num_tokens is not None or self.compile:
+        if self.compile:
             cached, past = self.prefix.lookup(sequence.prompt)
             sequence.cached_tokens = cached
         if options.prompt_lookup_num_tokens is not None:
-            sequence.decoding = start_decoding(model, ids, options, past_key_values=past, tokenizer=self.tokenizer,
-                                               compile=self.compile)
-            sequence.decoding_steps = iter(sequence.decoding)
-            self.solo.append(sequence)
-            self._advance_solo(sequence)
-            return
+            sequence.lookup = PromptLookup(options.prompt_lookup_num_tokens, options.max_matching_ngram_size or 2)
         generator = (torch.Generator(device=model.device).manual_seed(options.seed)
                      if options.seed is not None else None)
         sequence.sampler = Sampler(options, generator)
@@ -396,9 +390,10 @@ class Engine:
             self._joining.append((sequence, layers))
 
     def _decode_batch(self) -> None:
+        # a row that joined with its prompt's last token still to feed has no token yet
+        feeds = {id(s): self._feed(s) for s in self.batch.rows if s is not None}
         try:
-            # a row that joined with its prompt's last token still to feed has no token yet
-            logits = self.batch.step(lambda sequence: sequence.tokens[-1] if sequence.tokens else sequence.prompt[-1])
+            logits = self.batch.step_many(lambda sequence: feeds[id(sequence)])
         except Exception as err:  # the batch is lost; the server goes on with new requests
             log.exception("a batch step failed")
             for sequence in self.batch.rows:
@@ -408,15 +403,37 @@ class Engine:
             return
         finished = []
         for slot, sequence in enumerate(self.batch.rows):
-            if sequence is not None:
-                token = int(sequence.sampler.pick(self._allowed(sequence, logits[slot:slot + 1]), sequence.seen)[0])
-                if self._emit(sequence, token, logits[slot:slot + 1]):
+            if sequence is None:
+                continue
+            feed = feeds[id(sequence)]
+            for i in range(len(feed)):  # the logits after fed token i give the next token
+                row_logits = logits[slot, i:i + 1]
+                token = int(sequence.sampler.pick(self._allowed(sequence, row_logits), sequence.seen)[0])
+                if self._emit(sequence, token, row_logits):
                     finished.append(slot)
+                    break
+                if i + 1 == len(feed) or token != feed[i + 1]:  # the draft's next token is not it
+                    break
+            sequence.draft_tokens += len(feed) - 1
+            sequence.accepted_tokens += i
+            if i + 1 < len(feed):
+                self.batch.keep(slot, i + 1)  # the fed tokens after the last one emitted from
         for slot in finished:
             sequence = self.batch.rows[slot]
             # the cache holds the prompt and every new token but the last (never fed)
             self.prefix.store(sequence.prompt + sequence.tokens[:-1], self.batch.leave(slot))
         self.batch.shrink()
+
+    @staticmethod
+    def _feed(sequence: Sequence) -> list[int]:
+        """The tokens a row's step feeds: its last token, then (speculating) a draft of at most the
+        tokens it may still emit less one, since the step emits one past an accepted draft."""
+        history = sequence.prompt + sequence.tokens
+        if sequence.lookup is None:
+            return history[-1:]
+        room = sequence.options.max_new_tokens - len(sequence.tokens) - 1
+        draft, _ = sequence.lookup.propose(torch.tensor(history), room)
+        return history[-1:] + draft.tolist()
 
     @staticmethod
     def _allowed(sequence: Sequence, logits: torch.Tensor) -> torch.Tensor:
@@ -460,26 +477,6 @@ class Engine:
         sequence.finish_reason = reason
         self._report(sequence, [token], reason)
         return reason is not None
-
-    def _advance_solo(self, sequence: Sequence) -> None:
-        decoding = sequence.decoding
-        try:
-            chunk = next(sequence.decoding_steps)
-        except Exception as err:
-            log.exception("request %d failed", sequence.id)
-            self.solo.remove(sequence)
-            self._fail(sequence, err)
-            return
-        new = chunk[0].tolist()
-        sequence.tokens.extend(new)
-        stopped = bool(decoding.finished[0])
-        reason = "stop" if stopped else ("length" if len(sequence.tokens) >= decoding.max_new_tokens else None)
-        sequence.finish_reason = reason
-        self._report(sequence, new, reason)
-        if reason is not None:
-            self.solo.remove(sequence)
-            length = decoding.cache.get_seq_length()
-            self.prefix.store((sequence.prompt + sequence.tokens)[:length], layers_of(decoding.cache, length))
 
     def _fail(self, sequence: Sequence, err: Exception) -> None:
         sequence.finish_reason, sequence.error = "error", f"{type(err).__name__}: {err}"

@@ -320,7 +320,9 @@ class _Run:
                 self.clock.finished(reason)
                 if not left:
                     usage_ = self.usage()
-                    self.clock.done(usage_.prompt_tokens, usage_.prompt_tokens_details.cached_tokens)
+                    self.clock.done(usage_.prompt_tokens, usage_.prompt_tokens_details.cached_tokens,
+                                    sum(s.draft_tokens for s in self.sequences),
+                                    sum(s.accepted_tokens for s in self.sequences))
                 reason = self._finish_reason(i, reason)
                 self.reasons[i] = reason
             yield i, piece, reason, logprobs

@@ -40,6 +40,10 @@ class Metrics:
         self.cached_tokens = Counter("llm:prompt_tokens_cached", "Prompt tokens taken from the prefix cache.",
                                      registry=r)
         self.generation_tokens = Counter("llm:generation_tokens", "Tokens generated.", registry=r)
+        self.draft_tokens = Counter("llm:spec_decode_num_draft_tokens", "Draft tokens proposed by speculating "
+                                    "rows (prompt lookup), verified in the batch's steps.", registry=r)
+        self.accepted_tokens = Counter("llm:spec_decode_num_accepted_tokens", "Draft tokens accepted: each one a "
+                                       "token gained without a step of its own.", registry=r)
         self.time_to_first_token = Histogram("llm:time_to_first_token_seconds", "From a request's arrival to its "
                                              "first token.", buckets=LATENCY_BUCKETS, registry=r)
         self.time_per_output_token = Histogram("llm:time_per_output_token_seconds", "Between a sequence's "
@@ -78,8 +82,10 @@ class RequestClock:
     def finished(self, reason: str) -> None:
         self.metrics.finished.labels(finished_reason=reason).inc()
 
-    def done(self, prompt_tokens: int, cached_tokens: int) -> None:
+    def done(self, prompt_tokens: int, cached_tokens: int, draft_tokens: int = 0, accepted_tokens: int = 0) -> None:
         """Every sequence finished."""
         self.metrics.latency.observe(time.perf_counter() - self.start)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.cached_tokens.inc(cached_tokens)
+        self.metrics.draft_tokens.inc(draft_tokens)
+        self.metrics.accepted_tokens.inc(accepted_tokens)

@@ -423,8 +423,6 @@ def _grammar(request) -> str | None:
     """llguidance's grammar of the answer a response_format asks for (None: free text)."""
     if request.response_format is None:
         return None
-    if request.prompt_lookup_num_tokens is not None:
-        raise bad("response_format with prompt_lookup_num_tokens is not supported", "response_format")
     from llguidance import LLMatcher
 
     try:
@@ -447,8 +445,6 @@ def _logprobs(request, chat: bool, echo: bool) -> int | None:
         wanted = (request.top_logprobs or 0) if request.logprobs else None
     else:
         wanted = request.logprobs
-    if wanted is not None and request.prompt_lookup_num_tokens is not None:
-        raise bad("logprobs with prompt_lookup_num_tokens is not supported: ask for one or the other", "logprobs")
     if wanted is not None and echo:
         raise bad("logprobs with echo (the prompt's logprobs) is not supported", "logprobs")
     return wanted

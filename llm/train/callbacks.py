@@ -10,6 +10,8 @@
 * :class:`RunPlan` says, when ``fit`` starts, how many batches, tokens and epochs the run makes
   (from ``max_duration`` and the training data's size), and after its first batches how long
   it will take at the speed measured.
+* :class:`BatchClock` times every training batch of this process (evaluations and checkpoints
+  left out), for tokens/s without the first batch's compiling.
 * :class:`StopOnNonFiniteLoss` ends the run with :class:`NonFiniteLossError` at the first batch
   whose loss is NaN or infinite, before that batch's optimizer step and checkpoint, so nothing
   NaN is saved.
@@ -172,6 +174,42 @@ class ConfigSaver(Callback):
     def fit_start(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() == 0:
             _replace_file(self.path, lambda p: p.write_text(self.yaml))
+
+
+class BatchClock(Callback):
+    """Seconds and tokens (all ranks') of each training batch of this ``fit``, from its start to its
+    end: evaluations and checkpoints, which come after a batch ends, are not in them.
+
+    Attributes:
+        seconds: per batch, in order; tokens: per batch.
+    """
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self.tokens: list[int] = []
+        self._start, self._tokens = 0.0, 0
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        self._start, self._tokens = time.perf_counter(), int(state.timestamp.token)
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+        self.tokens.append(int(state.timestamp.token) - self._tokens)
+
+    def speed(self, compiled: bool) -> dict[str, float]:
+        """``train_seconds`` (all batches), ``tokens_per_s`` (over the batches after the first, which
+        compiles a compiled run's step; the first alone for a one-batch fit) and
+        ``compile_seconds`` (a compiled run's first batch less the median of the others; 0 for an
+        eager run or a fit of one batch)."""
+        seconds, tokens = self.seconds, self.tokens
+        result = {"train_seconds": sum(seconds), "tokens_per_s": 0.0, "compile_seconds": 0.0}
+        if not seconds:
+            return result
+        steady_s, steady_tokens = (seconds[1:], tokens[1:]) if len(seconds) > 1 else (seconds, tokens)
+        result["tokens_per_s"] = sum(steady_tokens) / sum(steady_s) if sum(steady_s) > 0 else 0.0
+        if compiled and len(seconds) > 1:
+            result["compile_seconds"] = max(0.0, seconds[0] - sorted(seconds[1:])[len(seconds[1:]) // 2])
+        return result
 
 
 class RunPlan(Callback):

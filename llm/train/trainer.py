@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -64,7 +65,7 @@ from llm.train.builders import (
     token_counting_data_spec,
 )
 from llm.utils.config import ConfigError
-from llm.train.callbacks import CONFIG_YAML, ConfigSaver, CurvePlotter, RunPlan, StopOnNonFiniteLoss
+from llm.train.callbacks import CONFIG_YAML, BatchClock, ConfigSaver, CurvePlotter, RunPlan, StopOnNonFiniteLoss
 from llm.train.checkpointing import (
     adopt_earlier_checkpoints,
     check_checkpoint,
@@ -152,6 +153,19 @@ def run_precision(precision: str | None) -> str | None:
                   "runs as fp32 (bfloat16 would be ~30x slower here)")
         return "fp32"
     return precision
+
+
+def run_compile_config(options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``compile_config`` a run uses: ``options``, except on a CPU without a C++ compiler (``$CXX``,
+    else ``g++``), which inductor needs there: None (eager), with one line on stderr saying so."""
+    if options is None or not cpu_run() or options.get("backend", "inductor") != "inductor":
+        return options
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        _say_once(f"warning: compile_config: no C++ compiler ({compiler}; set $CXX to name one) for torch.compile's "
+                  "inductor on this CPU, so the run trains eager (uncompiled)")
+        return None
+    return options
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,6 +311,7 @@ def _compile_config(options: dict[str, Any] | None, text: bool) -> dict[str, Any
     in a few padded lengths (see ``bucketed`` in :func:`~llm.train.builders.build_train_loader`),
     each compiled statically (``dynamic: false`` unless the config says otherwise): torch 2.7's
     dynamic-shape backward fails an inductor size/stride assertion on them."""
+    options = run_compile_config(options)
     if options is None or text or options.get("dynamic") is not None:
         return options
     return {**options, "dynamic": False}
@@ -409,8 +424,11 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         ``heldout`` (by eval set: ``nats_per_token``, ``perplexity``, ``predicted_tokens``,
         ``tokens_per_byte``, ``bits_per_byte``), the same figures for all eval sets together as
         ``heldout_nats_per_token``, ``heldout_perplexity``, ``tokens_per_byte`` and
-        ``bits_per_byte``, ``fit_seconds``, ``wall_seconds``, ``tokens_per_s`` (tokens trained in this
-        call over fit_seconds), ``mfu`` (their FLOPs over :func:`peak_flops`; None on a GPU)) plus
+        ``bits_per_byte``, ``fit_seconds`` (training with its evaluations and checkpoints),
+        ``wall_seconds``, ``train_seconds`` (the batches alone), ``tokens_per_s`` (over this call's
+        batches after the first, so without a compiled run's compiling), ``compile_seconds`` (a
+        compiled run's first batch less a typical one), ``mfu`` (tokens_per_s's FLOPs over
+        :func:`peak_flops`; None on a GPU)) plus
         ``samples`` (list of str),
         ``model_dir`` and ``checkpoint`` (the newest checkpoint's path, or None).
 
@@ -436,10 +454,11 @@ def train(cfg: Mapping | DictConfig) -> dict[str, Any]:
         return _train(cfg, data, started)
 
 
-def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: int, start_tokens: int,
-             fit_seconds: float, started: float) -> dict[str, Any]:
+def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: int, fit_seconds: float,
+             started: float, clock: BatchClock) -> dict[str, Any]:
     """What ``metrics.json`` holds: the run's size and progress, the held-out results (per eval
-    set and over all), tokens/s of this fit and its MFU where the device's peak is known."""
+    set and over all), the speed of this fit's batches (compiling left out) and its MFU where the
+    device's peak is known."""
     overall = combine(heldout)
     metrics = {
         "run_name": trainer.state.run_name,
@@ -455,12 +474,11 @@ def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: i
         "bits_per_byte": overall["bits_per_byte"],
         "fit_seconds": fit_seconds,
         "wall_seconds": time.perf_counter() - started,
+        **clock.speed(compiled=run_compile_config(cfg["compile_config"]) is not None),
     }
-    trained = metrics["tokens"] - start_tokens
-    metrics["tokens_per_s"] = trained / fit_seconds if fit_seconds > 0 and trained > 0 else 0.0
     peak = peak_flops(cfg)
     metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
-                      if peak else None)
+                      if peak and metrics["tokens_per_s"] else None)
     return metrics
 
 
@@ -472,7 +490,7 @@ def _print_results(heldout: dict, metrics: dict[str, Any]) -> None:
         f"held-out{' (all eval sets)' if len(heldout) > 1 else ''}: {metrics['bits_per_byte']:.4f} bits/byte after "
         f"{metrics['batches']} batches ({metrics['fit_seconds']:.0f} s training, {metrics['wall_seconds']:.0f} s in "
         f"all; {metrics['tokens_per_s']:,.0f} tokens/s" + (f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] else "")
-        + ")"
+        + (f"; compiling {metrics['compile_seconds']:.0f} s" if metrics["compile_seconds"] else "") + ")"
     )
 
 
@@ -484,10 +502,10 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
         clean_stale_registrations(data.train + data.eval)
     dist.barrier()
     tokenizer = data.tokenizer
-    trainer, eval_sets = build_trainer(cfg, data)
+    clock = BatchClock()
+    trainer, eval_sets = build_trainer(cfg, data, callbacks=[clock])
     model = getattr(trainer.state.model, "module", trainer.state.model)  # unwrapped from DDP
     start_batch = int(trainer.state.timestamp.batch)
-    start_tokens = int(trainer.state.timestamp.token)
     max_duration = trainer.state.max_duration
     # Composer refuses to fit a run that has reached max_duration (e.g. `make train` again after it
     # finished, with autoresume): evaluate and export it as it is.
@@ -507,7 +525,7 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
     fit_seconds = time.perf_counter() - fit_started
 
     heldout = evaluate_sets(trainer, eval_sets, prefix="heldout/")  # on every rank
-    metrics = _metrics(cfg, trainer, model, len(tokenizer), heldout, start_batch, start_tokens, fit_seconds, started)
+    metrics = _metrics(cfg, trainer, model, len(tokenizer), heldout, start_batch, fit_seconds, started, clock)
     model_dir = save_folder / MODEL_DIR
     latest = save_folder / LATEST_CHECKPOINT.format(rank=0)
     result = {**metrics, "samples": [], "model_dir": str(model_dir),

@@ -1,6 +1,6 @@
 """Exact by construction: on our kernels a token's logits depend only on the tokens before it, to
 the bit: not on how many tokens share the call (prefill, one-token step, a speculative chunk), on
-the batch's other rows or their left padding, on the cache (none, dynamic, static) or on the
+the batch's other rows, their padding or masked columns among a row's keys, on the cache (none, dynamic, static) or on the
 threads. Checked as properties over random models (grouped heads, int4 and int8), prompts, chunkings
 and batch mixes, against the uncached forward of each row alone."""
 
@@ -76,6 +76,36 @@ def test_a_row_in_a_left_padded_batch_is_the_row_alone(spec, lengths, rnd):
                  past_key_values=cache).logits[:, 0]
     for r, ids in enumerate(rows):
         assert torch.equal(step[r], alone(model, torch.cat([ids, nxt[r]]))[-1])
+
+
+@torch.no_grad()
+@SETTINGS
+@given(models, st.integers(2, 60), st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5)), min_size=1, max_size=8),
+       st.integers(0, 30), st.randoms(use_true_random=False))
+def test_masked_columns_among_a_rows_keys_change_no_bit(spec, length, plan, gap, rnd):
+    # a server row speculating: each call feeds tokens and a draft, the rejected draft's columns are
+    # masked after; and a prefix, padding, then a request (a batch of prompts behind one system prompt)
+    model = model_for(*spec)
+    ids = torch.tensor([rnd.randrange(97) for _ in range(length)])
+    reference = alone(model, ids)
+    cache = StaticCache(model.config, 1, 512, dtype=torch.float32)
+    key_mask = torch.zeros(1, 512, dtype=torch.bool)
+    got, column, done, i = [], 0, 0, 0
+    while done < length:
+        kept, rejected = plan[i % len(plan)]
+        kept = min(kept, length - done)
+        feed = torch.cat([ids[done:done + kept], torch.tensor([rnd.randrange(97) for _ in range(rejected)], dtype=torch.long)])
+        key_mask[0, column:column + len(feed)] = True
+        got.append(model.forward_static(feed[None], cache, torch.arange(column, column + len(feed)), key_mask)[0, :kept])
+        key_mask[0, column + kept:column + len(feed)] = False
+        column, done, i = column + len(feed), done + kept, i + 1
+    assert torch.equal(torch.cat(got), reference)
+    split = rnd.randrange(1, length)
+    padded = torch.cat([ids[:split], torch.zeros(gap, dtype=torch.long), ids[split:]])
+    mask = torch.cat([torch.ones(split, dtype=torch.bool), torch.zeros(gap, dtype=torch.bool),
+                      torch.ones(length - split, dtype=torch.bool)])
+    logits = model(padded[None], attention_mask=mask[None]).logits[0]
+    assert torch.equal(logits[mask], reference)
 
 
 @torch.no_grad()

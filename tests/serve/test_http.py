@@ -175,7 +175,7 @@ def test_stop_strings_end_the_text_before_them_streamed_or_not(server):
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ({"prompt": "a", "logprobs": 21}, 400, "logprobs", None),
     ({"prompt": "a", "logprobs": 2, "echo": True}, 400, "logprobs", None),
-    ({"prompt": "a", "logprobs": 2, "prompt_lookup_num_tokens": 3}, 400, "logprobs", None),
+    ({"prompt": "a", "prompt_lookup_num_tokens": 0}, 400, "prompt_lookup_num_tokens", None),
     ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ({"prompt": "a", "logit_bias": {"3": 5}}, 400, "logit_bias", None),
     ({"prompt": "a", "best_of": 3}, 400, "best_of", None),
@@ -440,6 +440,33 @@ def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(server
     assert (_metric(after, "llm:time_per_output_token_seconds_count")
             - _metric(b, "llm:time_per_output_token_seconds_count")) == steps
     assert _metric(after, "llm:num_requests_running") == 0
+
+
+def test_lookup_speculation_in_the_server_gives_the_answers_without_it_and_counts_its_drafts():
+    tokenizer = build_char_tokenizer(string.ascii_lowercase + " ")
+    model = tiny_model("rope", vocab_size=len(tokenizer), max_seq_len=256)
+    prompt = "the cat sat on the mat and the cat sat on the hat " * 2
+    seen = {}
+    for lookup in (None, 4):  # --speculative lookup --num-speculative-tokens 4 sets these defaults
+        defaults = GenerationConfig(do_sample=False, prompt_lookup_num_tokens=lookup,
+                                    max_matching_ngram_size=3 if lookup else None)
+        app = create_app(lambda: Served(Engine(model, tokenizer).start(), tokenizer, "m", defaults, 256))
+        with TestClient(app) as client:
+            deadline = time.time() + 10
+            while client.get("/health").status_code != 200 and time.time() < deadline:
+                time.sleep(0.01)
+            with ThreadPoolExecutor(3) as pool:  # rows verify their drafts together in the batch's steps
+                answers = list(pool.map(lambda n: client.post("/v1/completions", json={
+                    "prompt": prompt[n:], "max_tokens": 40, "logprobs": 1}).json()["choices"][0], range(3)))
+            metrics = client.get("/metrics").text
+        seen[lookup] = ([a["text"] for a in answers], [a["logprobs"]["token_logprobs"] for a in answers],
+                        _metric(metrics, "llm:spec_decode_num_draft_tokens_total"),
+                        _metric(metrics, "llm:spec_decode_num_accepted_tokens_total"))
+    (plain, plain_logprobs, _, _), (fast, fast_logprobs, drafted, accepted) = seen[None], seen[4]
+    assert fast == plain
+    for fast_row, plain_row in zip(fast_logprobs, plain_logprobs, strict=True):
+        assert fast_row == pytest.approx(plain_row, abs=1e-5)  # a float model: the rounding may differ
+    assert drafted >= accepted > 0 and seen[None][2] == 0
 
 
 def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open():

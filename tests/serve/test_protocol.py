@@ -133,7 +133,7 @@ def test_developer_messages_reach_the_template_as_system_messages(chars):
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"logprobs": True, "prompt_lookup_num_tokens": 3}, "logprobs"),
+    ({"prompt_lookup_num_tokens": 0}, "prompt_lookup_num_tokens"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format")])
 def test_a_chat_request_without_a_template_is_told_about_its_bad_parameters_first(extra, param):

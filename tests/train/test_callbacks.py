@@ -101,3 +101,16 @@ def test_the_progress_bar_is_drawn_on_a_terminal_and_logged_as_lines_elsewhere(s
     with pytest.raises(Stop):
         trainer_module.build_trainer(dict(cfg, progress_bar=True, log_to_console=False), data)
     assert (seen["progress_bar"], seen["log_to_console"]) == ((True, False) if terminal else (False, True))
+
+
+def test_the_batch_clock_leaves_the_first_batch_out_of_tokens_per_s_and_reports_it_as_compiling():
+    from llm.train.callbacks import BatchClock
+
+    clock = BatchClock()
+    clock.seconds, clock.tokens = [9.0, 1.0, 2.0, 1.5], [100, 100, 100, 100]
+    compiled = clock.speed(compiled=True)
+    assert compiled == {"train_seconds": 13.5, "tokens_per_s": 300 / 4.5, "compile_seconds": 9.0 - 1.5}
+    assert clock.speed(compiled=False)["compile_seconds"] == 0.0  # an eager first batch is just slower
+    clock.seconds, clock.tokens = [2.0], [50]  # a fit of one batch: its own speed
+    assert clock.speed(compiled=True) == {"train_seconds": 2.0, "tokens_per_s": 25.0, "compile_seconds": 0.0}
+    assert BatchClock().speed(compiled=True)["tokens_per_s"] == 0.0  # nothing trained (already finished)

@@ -98,7 +98,8 @@ run("b", max_duration="2ba")
 resumed = run("b", max_duration="4ba", autoresume=True)
 compiled = train(tiny_config(data, f"{root}/c", max_duration="2ba", num_samples=0, compile_config={"backend": "eager"}))
 print(json.dumps([straight["heldout_nats_per_token"], resumed["heldout_nats_per_token"], resumed["start_batch"],
-                  compiled["batches"], compiled["tokens_per_s"], compiled["mfu"]]))
+                  compiled["batches"], compiled["tokens_per_s"], compiled["mfu"], compiled["compile_seconds"],
+                  compiled["train_seconds"]]))
 """
 
 
@@ -106,9 +107,10 @@ def test_bf16_resumes_exactly_and_compile_config_compiles_the_step(tiny_data, tm
     done = subprocess.run([sys.executable, "-c", RUNS, str(tiny_data), str(tmp_path)], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
-    straight, resumed, start, batches, tokens_per_s, mfu = json.loads(done.stdout.strip().splitlines()[-1])
+    straight, resumed, start, batches, tokens_per_s, mfu, compile_s, train_s = json.loads(done.stdout.strip().splitlines()[-1])
     assert start == 2 and resumed == straight  # 4 bf16 batches straight = 2, then 2 more after a resume
     assert batches == 2 and tokens_per_s > 0 and 0 < mfu < 1  # the compiled run trained and was measured
+    assert train_s > compile_s > 0  # the first batch traced the step: its extra time is compiling
 
 
 def test_a_compiled_run_compiles_the_loss_and_it_equals_the_eager_loss():
@@ -196,3 +198,18 @@ def test_native_bf16_follows_the_cpu_flags(monkeypatch):
         cpu.native_bf16.cache_clear()
         assert cpu.native_bf16() is expected
     cpu.native_bf16.cache_clear()
+
+
+def test_without_a_cpp_compiler_a_compiled_run_trains_eager_saying_so_once(monkeypatch, capsys):
+    from llm.train import trainer
+
+    trainer._say_once.cache_clear()
+    monkeypatch.setenv("CXX", "/no/such/c++")
+    assert trainer.run_compile_config({"fullgraph": True}) is None
+    assert trainer.run_compile_config({"fullgraph": True}) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no C++ compiler (/no/such/c++" in err and "trains eager" in err
+    assert trainer.run_compile_config({"backend": "eager"}) == {"backend": "eager"}  # needs no compiler
+    monkeypatch.delenv("CXX")
+    assert trainer.run_compile_config({}) == {}  # this machine has g++ (the suite compiles with it)
+    trainer._say_once.cache_clear()
