@@ -125,7 +125,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
-    first, tokens, pieces, last, gaps = None, None, 0, None, []
+    first, tokens, pieces, last, gaps, text = None, None, 0, None, [], []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
@@ -137,6 +137,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
                 tokens = data["usage"]["completion_tokens"]
             for choice in data.get("choices") or ():
                 if (choice.get("delta") or {}).get("content"):
+                    text.append(choice["delta"]["content"])
                     pieces += 1
                     now = time.perf_counter()
                     if first is None:
@@ -146,7 +147,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
                     last = now
     latency = time.perf_counter() - start
     return {"ttft": first if first is not None else latency, "latency": latency,
-            "tokens": tokens if tokens is not None else pieces, "gaps": gaps}
+            "tokens": tokens if tokens is not None else pieces, "gaps": gaps, "text": "".join(text)}
 
 
 async def _load(url: str, model: str, prompts: list[str], clients: int, max_tokens: int,
@@ -174,7 +175,8 @@ async def _load(url: str, model: str, prompts: list[str], clients: int, max_toke
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "tokens_per_s": tokens / wall, "ttft_p50": _percentile(ttft, 50), "ttft_p95": _percentile(ttft, 95),
             "tbt_p50": _percentile(gaps, 50), "tbt_p95": _percentile(gaps, 95),
-            "latency_p50": _percentile(latency, 50), "latency_p95": _percentile(latency, 95)}
+            "latency_p50": _percentile(latency, 50), "latency_p95": _percentile(latency, 95),
+            "texts": sorted(r["text"] for r in results)}
 
 
 def measure(url: str, model: str, *, concurrency: tuple[int, ...], max_tokens: int, rounds: int) -> list[dict]:
@@ -209,16 +211,18 @@ EDITS = [f"Repeat this text word for word, but write 'loaf' wherever it says 'br
          f"Copy the following text exactly, then stop:\n\n{PASSAGE}"]
 
 
-def speculation(url: str, model: str, max_tokens: int = 128, lookup: int = 5) -> list[dict]:
+def speculation(url: str, model: str, max_tokens: int = 128, lookup: int = 5, clients_levels=(1, 4, 16)) -> list[dict]:
     """Output tokens/s on :data:`EDITS` with and without prompt-lookup speculation
-    (``prompt_lookup_num_tokens``, greedy: the same tokens), 1 and 4 clients."""
+    (``prompt_lookup_num_tokens``, greedy), at each number of clients, and whether the answers
+    are the same texts."""
     rows = []
-    for clients in (1, 4):
+    for clients in clients_levels:
         prompts = [EDITS[i % len(EDITS)] for i in range(2 * clients)]
         plain = asyncio.run(_load(url, model, prompts, clients, max_tokens))
         drafted = asyncio.run(_load(url, model, prompts, clients, max_tokens, {"prompt_lookup_num_tokens": lookup}))
         rows.append({"clients": clients, "plain": plain["tokens_per_s"], "speculative": drafted["tokens_per_s"],
-                     "speedup": drafted["tokens_per_s"] / plain["tokens_per_s"]})
+                     "speedup": drafted["tokens_per_s"] / plain["tokens_per_s"],
+                     "same_texts": drafted["texts"] == plain["texts"]})
     return rows
 
 
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", choices=["auto", "yes", "no"], default="auto",
                    help="also measure llama.cpp's llama-server (--parallel N) from `make llama-tools` (auto: if built)")
     p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--speculation-only", action="store_true",
+                   help="only the copy-heavy table, ours with and without prompt-lookup drafts (no peers)")
     args = p.parse_args(argv)
     if 1 not in args.concurrency:
         p.error("--concurrency must include 1: the other levels are measured against it")
@@ -286,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}: starting", file=sys.stderr, flush=True)
     server = ServerProcess(serve, port, "/health")
     try:
-        results[name] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
-                                max_tokens=args.max_tokens, rounds=args.rounds)
-        checks[name] = invariance(server.url, args.model, args.max_tokens)
+        if not args.speculation_only:
+            results[name] = measure(server.url, args.model, concurrency=tuple(args.concurrency),
+                                    max_tokens=args.max_tokens, rounds=args.rounds)
+            checks[name] = invariance(server.url, args.model, args.max_tokens)
         drafts = speculation(server.url, args.model)
     finally:
         server.stop()
+    if args.speculation_only:
+        args.peer = args.llama_server = "no"
 
     if args.peer == "yes" or (args.peer == "auto" and _peer_available()):
         port = _free_port()
@@ -324,18 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
 
-    print(table(results))
-    print("\n| server | a greedy request among 15 others: same tokens | bit-identical logprobs | largest difference |")
-    print("|---|---|---|---|")
+    if results:
+        print(table(results))
+    if checks:
+        print("\n| server | a greedy request among 15 others: same tokens | bit-identical logprobs | largest difference |")
+        print("|---|---|---|---|")
     for name, c in checks.items():
         print(f"| {name} | {'yes' if c['same_tokens'] else 'no'} | {'yes' if c['bit_identical'] else 'no'} | "
               f"{c['largest_logprob_difference']:.2g} |")
     print(f"\n{ours}, copy-heavy requests (EDITS: a ~300-token passage repeated with an edit), greedy, 128 new "
           f"tokens at most:\n")
-    print("| clients | output tokens/s | with prompt-lookup drafts (5 tokens) | speed-up |")
-    print("|---|---|---|---|")
+    print("| clients | output tokens/s | with prompt-lookup drafts (5 tokens) | speed-up | same answers |")
+    print("|---|---|---|---|---|")
     for r in drafts:
-        print(f"| {r['clients']} | {r['plain']:.1f} | {r['speculative']:.1f} | {r['speedup']:.2f}x |")
+        print(f"| {r['clients']} | {r['plain']:.1f} | {r['speculative']:.1f} | {r['speedup']:.2f}x | "
+              f"{'yes' if r['same_texts'] else 'no'} |")
     if args.json:
         args.json.write_text(json.dumps({"load": results, "invariance": checks, "speculation": drafts}, indent=2))
     return 0

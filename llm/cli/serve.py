@@ -38,13 +38,14 @@ def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=integer(), default=256,
                    help="the most prompt tokens prefilled between two decoding steps: a longer prompt is prefilled "
                         "in chunks, so it delays the running answers by one chunk's time (default 256)")
-    p.add_argument("--speculative", choices=["none", "lookup"], default="none",
+    p.add_argument("--speculative", choices=["none", "lookup", "draft"], default="none",
                    help="lookup: every request's rows copy drafts from where their last tokens occurred before "
-                        "(prompt lookup, LLMA), verified for all rows in the batch's steps: the same tokens, "
-                        "more of them per step on text that repeats its prompt (a request's "
-                        "prompt_lookup_num_tokens sets its own draft length either way)")
+                        "(prompt lookup, LLMA); draft: a smaller --draft-model drafts them; either way verified "
+                        "for all rows in the batch's steps: the same tokens, more of them per step when drafts "
+                        "are taken (a request's prompt_lookup_num_tokens asks for lookup drafts whatever this says)")
+    p.add_argument("--draft-model", help="the draft model for --speculative draft (the same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=integer(), default=5,
-                   help="the most tokens drafted per row and step with --speculative lookup (default 5)")
+                   help="the most tokens drafted per row and step (default 5)")
     add_model_arguments(p, compile_help=("decode through torch.compile over static caches (one compile per batch shape, cached "
                         "on disk; needs a C++ compiler, else runs uncompiled with a warning)"))
     p.add_argument("--api-key", default=os.environ.get("LLM_API_KEY"),
@@ -101,11 +102,16 @@ def loader(args):
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
         if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:
             defaults = defaults.update(eos_token_id=tokenizer.eos_token_id)
+        draft = None
         if args.speculative == "lookup":
             defaults = defaults.update(prompt_lookup_num_tokens=args.num_speculative_tokens, max_matching_ngram_size=3)
+        elif args.speculative == "draft":
+            draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=getattr(torch, args.dtype),
+                                              quantization=args.quantize, backend=args.backend)
+            defaults = defaults.update(num_assistant_tokens=args.num_speculative_tokens)
         engine = Engine(model, tokenizer, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                         prefix_cache_tokens=args.prefix_cache_tokens, compile=args.compile,
-                        prefill_chunk=args.chunked_prefill_size).start()
+                        prefill_chunk=args.chunked_prefill_size, draft_model=draft).start()
         logging.getLogger("llm.serve").info("serving %s (%s parameters)", args.served_model_name or args.model,
                                             f"{model.num_parameters():,}")  # quantized weights are buffers
         return Served(engine, tokenizer, args.served_model_name or args.model, defaults, model.config.max_seq_len)
@@ -122,6 +128,10 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
 
     if not Path(args.model).exists() and args.model not in PRETRAINED:
         parser.error(unknown_model(args.model))
+    if (args.speculative == "draft") != (args.draft_model is not None):
+        parser.error("--speculative draft and --draft-model go together: give both or neither")
+    if args.draft_model is not None and not Path(args.draft_model).exists() and args.draft_model not in PRETRAINED:
+        parser.error("--draft-model " + unknown_model(args.draft_model))
     # Listen before anything starts, so that a taken port or an unknown host is one line here.
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

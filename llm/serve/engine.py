@@ -20,7 +20,9 @@ iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's contin
   mask and sampling are its own, whatever else is in the batch;
 - a row with ``prompt_lookup_num_tokens`` speculates (reference decoding: LLMA, Yang et al.
   2023; vLLM's n-gram speculation): its step feeds its last token and a draft copied from where
-  its last n-gram occurred before (:class:`~llm.generation.candidates.PromptLookup`), all rows'
+  its last n-gram occurred before (:class:`~llm.generation.candidates.PromptLookup`), or, on an
+  engine with a ``draft_model``, a row with ``num_assistant_tokens`` feeds the greedy tokens of
+  the draft model (:class:`~llm.generation.candidates.DraftModel`, a cache per row); all rows'
   in one forward (:meth:`~llm.serve.batch.SlotBatch.step_many`), and it emits tokens in order
   from the logits after each fed token for as long as the token picked equals the draft's next:
   the tokens (greedy, or sampled with the row's own generator, one draw per token) are those of
@@ -43,7 +45,7 @@ from typing import Callable
 import torch
 
 from llm.cache import DynamicCache
-from llm.generation.candidates import PromptLookup
+from llm.generation.candidates import DraftModel, PromptLookup
 from llm.generation.compiled import PREFILL_CHUNK, StaticDecoder
 from llm.generation.config import GenerationConfig
 from llm.generation.decoding import StopStrings, check_finite_logits, check_token_ids
@@ -97,7 +99,7 @@ class Sequence:
     seen: torch.Tensor | None = None
     eos: frozenset = frozenset()
     stop: StopStrings | None = None
-    lookup: PromptLookup | None = None  # the drafts of a speculating row
+    drafter: PromptLookup | DraftModel | None = None  # the drafts of a speculating row
     draft_tokens: int = 0  # draft tokens it fed, and of them those accepted
     accepted_tokens: int = 0
     prefill_cache: object = None  # the prompt's cache while it is prefilled chunk by chunk
@@ -125,6 +127,8 @@ class Engine:
         prefill_chunk: the most prompt tokens prefilled per engine step (uncompiled); longer
             prompts take several steps. On our kernels chunking changes no bit of the logits
             (:mod:`tests.quant.test_invariance`).
+        draft_model: a smaller :class:`~llm.model.MosaicGPT` of the same vocabulary that drafts
+            for rows whose options set ``num_assistant_tokens`` (and not ``prompt_lookup_num_tokens``).
 
     Raises:
         ValueError: for a max_batch_size, max_queue or prefill_chunk below 1, or a negative
@@ -132,10 +136,14 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, max_queue: int = 64,
-                 prefix_cache_tokens: int = 4096, compile: bool = False, prefill_chunk: int = 256):
+                 prefix_cache_tokens: int = 4096, compile: bool = False, prefill_chunk: int = 256, draft_model=None):
         if max_batch_size < 1 or max_queue < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch_size, max_queue and prefill_chunk must be >= 1, got {max_batch_size}, "
                              f"{max_queue} and {prefill_chunk}")
+        if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
+                             f"model's ({model.config.vocab_size}): a draft must share the tokenizer")
+        self.draft_model = draft_model
         self.prefill_chunk = prefill_chunk
         self.prefilling: list[Sequence] = []
         self._joining: list[tuple[Sequence, list]] = []  # rows prefilled this step: they join together
@@ -317,7 +325,11 @@ class Engine:
             cached, past = self.prefix.lookup(sequence.prompt)
             sequence.cached_tokens = cached
         if options.prompt_lookup_num_tokens is not None:
-            sequence.lookup = PromptLookup(options.prompt_lookup_num_tokens, options.max_matching_ngram_size or 2)
+            sequence.drafter = PromptLookup(options.prompt_lookup_num_tokens, options.max_matching_ngram_size or 2)
+        elif self.draft_model is not None and options.num_assistant_tokens is not None:
+            # greedy drafts: the row's own generator draws only its emitted tokens
+            sequence.drafter = DraftModel(self.draft_model, options.num_assistant_tokens,
+                                          Sampler(GenerationConfig(do_sample=False)))
         generator = (torch.Generator(device=model.device).manual_seed(options.seed)
                      if options.seed is not None else None)
         sequence.sampler = Sampler(options, generator)
@@ -424,15 +436,16 @@ class Engine:
             self.prefix.store(sequence.prompt + sequence.tokens[:-1], self.batch.leave(slot))
         self.batch.shrink()
 
-    @staticmethod
-    def _feed(sequence: Sequence) -> list[int]:
+    def _feed(self, sequence: Sequence) -> list[int]:
         """The tokens a row's step feeds: its last token, then (speculating) a draft of at most the
         tokens it may still emit less one, since the step emits one past an accepted draft."""
         history = sequence.prompt + sequence.tokens
-        if sequence.lookup is None:
+        if sequence.drafter is None:
             return history[-1:]
         room = sequence.options.max_new_tokens - len(sequence.tokens) - 1
-        draft, _ = sequence.lookup.propose(torch.tensor(history), room)
+        ids = torch.tensor(history, device=self.model.device)
+        sequence.drafter.accepted(ids)  # a draft model's cache forgets the tokens not taken
+        draft, _ = sequence.drafter.propose(ids, room)
         return history[-1:] + draft.tolist()
 
     @staticmethod

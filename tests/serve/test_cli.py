@@ -39,8 +39,10 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle, quantization, tmp_
         tiny.save_pretrained(model, tokenizer=tokenizer)
     vocab_size = len(build_char_tokenizer(string.ascii_lowercase + " "))
     expected = f"serving tiny ({tiny_model('rope', vocab_size=vocab_size).num_parameters():,} parameters)"
+    # the quantized one drafts for itself (--speculative draft): every greedy draft is taken
+    speculative = ["--speculative", "draft", "--draft-model", str(model)] if quantization else []
     process = subprocess.Popen([*SCRIPT, "--model", str(model), "--port", "0", "--served-model-name", "tiny",
-                                "--threads", "1"], stderr=subprocess.PIPE, text=True)
+                                "--threads", "1", *speculative], stderr=subprocess.PIPE, text=True)
     try:
         url = None
         for line in process.stderr:
@@ -52,8 +54,12 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle, quantization, tmp_
         deadline = time.time() + 60
         while httpx.get(url + "/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.1)
-        out = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 4}).json()
+        out = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 12,
+                                                        "temperature": 0}).json()
         assert out["model"] == "tiny" and out["usage"]["completion_tokens"] >= 1
+        accepted = [line for line in httpx.get(url + "/metrics").text.splitlines()
+                    if line.startswith("llm:spec_decode_num_accepted_tokens_total ")]
+        assert (float(accepted[0].split()[-1]) > 0) == bool(speculative), accepted
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 0
@@ -75,6 +81,9 @@ def test_what_cannot_start_is_one_line_before_anything_loads(bundle, tmp_path):
         (["--model", str(bundle), "--port", "99999"], 2, "argument --port: must be an integer <= 65535, got 99999"),
         (["--model", str(bundle), "--port", str(port)], 1, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
         (["--model", str(bundle), "--host", "no-such-host.invalid"], 1, "cannot listen on no-such-host.invalid:8000"),
+        (["--model", str(bundle), "--speculative", "draft"], 2, "--speculative draft and --draft-model go together"),
+        (["--model", str(bundle), "--speculative", "draft", "--draft-model", str(tmp_path / "nope")], 2,
+         f"--draft-model {tmp_path / 'nope'}: no such model folder"),
     ]:
         done = subprocess.run([*SCRIPT, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == status, (argv, done.stderr[-2000:])
@@ -87,7 +96,8 @@ def test_help_documents_every_flag():
     done = subprocess.run([*SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     for flag in ("--model", "--host", "--port", "--max-batch-size", "--max-queue", "--prefix-cache-tokens",
-                 "--quantize", "--compile", "--dtype", "--device", "--served-model-name", "--threads"):
+                 "--quantize", "--compile", "--dtype", "--device", "--served-model-name", "--threads",
+                 "--speculative", "--draft-model", "--num-speculative-tokens"):
         assert flag in done.stdout
 
 

@@ -105,6 +105,24 @@ def test_speculating_rows_decode_in_the_batch_as_they_would_alone(scheme):
     assert all(s.draft_tokens == 0 for s in sequences[1::4])
 
 
+def test_a_draft_model_drafts_for_rows_that_ask_and_their_tokens_are_the_models_alone():
+    model = tiny_model("llama")
+    draft = tiny_model("llama", n_layers=1, seed=3)
+    twin = tiny_model("llama")  # the model itself as its draft: every draft is taken
+    copy = list(range(5, 25)) * 2
+    reqs = [(copy, GenerationConfig(max_new_tokens=16, num_assistant_tokens=4)),
+            (copy[:9], GenerationConfig(max_new_tokens=12)),
+            (copy[4:], GenerationConfig(max_new_tokens=14, num_assistant_tokens=3, do_sample=True, seed=2, top_k=8))]
+    for drafter in (draft, twin):
+        sequences = drive(Engine(model, max_batch_size=3, draft_model=drafter), reqs, join_every=2)
+        for (prompt, options), sequence in zip(reqs, sequences):
+            assert sequence.tokens == alone(model, prompt, options.update(num_assistant_tokens=None))
+        assert sequences[0].draft_tokens > 0 and sequences[1].draft_tokens == 0
+    assert sequences[0].accepted_tokens > 0
+    with pytest.raises(ValueError, match="a draft must share the tokenizer"):
+        Engine(model, draft_model=tiny_model("llama", vocab_size=50))
+
+
 @pytest.fixture
 def counter(monkeypatch):
     torch._dynamo.reset()
