@@ -56,8 +56,11 @@ class SlotBatch:
     def _relayout(self, slots: int, column: int, room: int = 1) -> None:
         """New buffers of ``slots`` slots holding every row, the current column moved to at least
         ``column`` and at least the rows' longest span; the capacity is what that needs, twice,
-        and at least ``room`` columns past it."""
+        and at least ``room`` columns past it. A row's masked columns (rejected drafts) are left
+        behind: its real ones move together, so the buffer grows with the tokens kept only."""
         live = [s for s, row in enumerate(self.rows) if row is not None]
+        if any(int(self.key_mask[s, self.starts[s]:self.column].sum()) != self.column - self.starts[s] for s in live):
+            self._compact(live)
         low = min((self.starts[s] for s in live), default=self.column)
         span = self.column - low
         new_column = max(span, column)
@@ -81,6 +84,19 @@ class SlotBatch:
         self.cache.set_seq_length(new_column)
         # a new wrapper: its first call picks the graph for the new shapes
         self._step = compiled_step(decode_one_token, self.compile)
+
+    def _compact(self, live: list[int]) -> None:
+        """Move each live row's real columns right-aligned to the current column, in order (its
+        masked columns dropped), so that its keys are contiguous again."""
+        for s in live:
+            real = self.key_mask[s, self.starts[s]:self.column].nonzero().squeeze(1) + self.starts[s]
+            start = self.column - real.numel()
+            for store in (self.cache._keys, self.cache._values):
+                for layer in store:
+                    layer[s, :, start:self.column] = layer[s, :, real].clone()
+            self.key_mask[s, :self.column] = False
+            self.key_mask[s, start:self.column] = True
+            self.starts[s] = start
 
     def join_all(self, joining: list) -> None:
         """Add the rows of ``joining``, ``(row, past)`` pairs whose prompt is in ``past``: per layer

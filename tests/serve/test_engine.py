@@ -12,6 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from llm import GenerationConfig
 from llm.data import build_char_tokenizer
 from llm.generation import compiled
+from llm.generation.compiled import cache_capacity
 from llm.serve import Engine
 from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
 
@@ -103,6 +104,22 @@ def test_speculating_rows_decode_in_the_batch_as_they_would_alone(scheme):
         assert sequence.tokens == alone(model, prompt, options.update(prompt_lookup_num_tokens=None))
     assert sequences[0].accepted_tokens > 0  # a copy of the prompt: drafts were verified and taken
     assert all(s.draft_tokens == 0 for s in sequences[1::4])
+
+
+def test_rejected_drafts_are_left_behind_when_the_buffer_grows():
+    # each step a speculating row takes 1 + draft columns; those of rejected drafts are dropped at
+    # the next re-layout, so the buffer grows with the tokens kept, not with the drafts fed
+    model = tiny_model("llama", max_seq_len=512)
+    prompt = list(range(5, 25)) * 2
+    options = GenerationConfig(max_new_tokens=300, prompt_lookup_num_tokens=8, do_sample=False)
+    engine = Engine(model, max_batch_size=2, prefix_cache_tokens=0)
+    [sequence] = engine.submit([(prompt, options)])
+    widest = 0
+    while engine.step():
+        widest = max(widest, engine.batch.capacity)
+    assert sequence.tokens == alone(model, prompt, options.update(prompt_lookup_num_tokens=None))
+    assert sequence.draft_tokens - sequence.accepted_tokens > 1000  # far more columns fed than kept
+    assert widest <= 2 * cache_capacity(len(prompt) + 300)
 
 
 def test_a_draft_model_drafts_for_rows_that_ask_and_their_tokens_are_the_models_alone():
