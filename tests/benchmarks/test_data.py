@@ -84,3 +84,25 @@ def test_shard_writer_writes_what_mdswriter_writes(dtype, seq_len, shard_size, r
     expected = {p.name: p.read_bytes() for p in (tmp_path / "mds").iterdir()}
     assert {p.name: p.read_bytes() for p in (tmp_path / "ours").iterdir()} == expected
     assert len(expected) > (rows > 0)
+
+
+def test_the_ablation_gives_each_variant_the_batches_that_fill_its_minutes(monkeypatch, capsys):
+    from benchmarks import ablation
+
+    calls = []
+
+    def fake_train(config, overrides, folder):
+        calls.append(overrides)
+        compiled = "compile_config={}" in overrides
+        batches = int(next(o for o in overrides if o.startswith("max_duration="))[13:-2])
+        return {"tokens": 1000 * batches, "batches": batches, "tokens_per_s": 2000.0 if compiled else 1000.0,
+                "compile_seconds": 30.0 if compiled else 0.0, "train_seconds": 60.0,
+                "bits_per_byte": 2.0 if compiled else 2.1}
+
+    monkeypatch.setattr(ablation, "_train", fake_train)
+    assert ablation.main(["--minutes", "1", "--probe", "4", "--only", "0", "1"]) == 0
+    # the baseline: 1 s a batch, 60 batches; compiled: 0.5 s a batch after 30 s of compiling, 60 batches
+    assert [c[-2:] for c in calls[1::2]] == [["max_duration=60ba", "scheduler.t_warmup=0.15dur"]] * 2
+    assert calls[0] == ["max_duration=4ba", "scheduler.t_warmup=1ba"]
+    table = capsys.readouterr().out
+    assert "| compiled (compile_config={}) | 0.50 | 60 | 60 (30) | 2.0000 | -0.1000 |" in table
