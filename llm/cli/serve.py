@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
 
     if not Path(args.model).exists() and args.model not in PRETRAINED:
         parser.error(unknown_model(args.model))
-    if (args.speculative == "draft") != (args.draft_model is not None):
-        parser.error("--speculative draft and --draft-model go together: give both or neither")
+    if args.speculative == "draft" and args.draft_model is None:
+        parser.error("--speculative draft needs --draft-model (a smaller model with the same tokenizer)")
+    if args.draft_model is not None and args.speculative != "draft":
+        parser.error(f"--draft-model drafts only with --speculative draft (got --speculative {args.speculative})")
     if args.draft_model is not None and not Path(args.draft_model).exists() and args.draft_model not in PRETRAINED:
         parser.error("--draft-model " + unknown_model(args.draft_model))
     # Listen before anything starts, so that a taken port or an unknown host is one line here.

@@ -81,7 +81,9 @@ def test_what_cannot_start_is_one_line_before_anything_loads(bundle, tmp_path):
         (["--model", str(bundle), "--port", "99999"], 2, "argument --port: must be an integer <= 65535, got 99999"),
         (["--model", str(bundle), "--port", str(port)], 1, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
         (["--model", str(bundle), "--host", "no-such-host.invalid"], 1, "cannot listen on no-such-host.invalid:8000"),
-        (["--model", str(bundle), "--speculative", "draft"], 2, "--speculative draft and --draft-model go together"),
+        (["--model", str(bundle), "--speculative", "draft"], 2, "--speculative draft needs --draft-model"),
+        (["--model", str(bundle), "--speculative", "lookup", "--draft-model", str(bundle)], 2,
+         "--draft-model drafts only with --speculative draft (got --speculative lookup)"),
         (["--model", str(bundle), "--speculative", "draft", "--draft-model", str(tmp_path / "nope")], 2,
          f"--draft-model {tmp_path / 'nope'}: no such model folder"),
     ]:
