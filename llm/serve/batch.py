@@ -159,13 +159,13 @@ class SlotBatch:
         gives each query the keys and the positions (counted over the mask) that it would have had
         (on our kernels, bit for bit: a query's reduction order does not depend on its neighbours).
         """
-        feeds = [tokens_of(row) if row is not None else [] for row in self.rows]
-        width = max(len(f) for f in feeds)
+        fed = {id(row): tokens_of(row) for row in self.rows if row is not None}
+        width = max(map(len, fed.values()))
         if width == 1:
-            first = {id(row): feed[0] for row, feed in zip(self.rows, feeds) if row is not None}
-            return self.step(lambda row: first[id(row)])[:, None]
+            return self.step(lambda row: fed[id(row)][0])[:, None]
         if self.column + width > self.capacity:
-            self._relayout(len(self.rows), 0, room=width)
+            self._relayout(len(self.rows), 0, room=width)  # rows may move to other slots
+        feeds = [fed[id(row)] if row is not None else [] for row in self.rows]
         column, device = self.column, self.key_mask.device
         for slot, feed in enumerate(feeds):
             self.key_mask[slot, column:column + width] = False

@@ -122,6 +122,18 @@ def test_rejected_drafts_are_left_behind_when_the_buffer_grows():
     assert widest <= 2 * cache_capacity(len(prompt) + 300)
 
 
+def test_speculating_rows_keep_their_tokens_when_a_growing_buffer_moves_them_to_other_slots():
+    # short rows leave the front slots; a re-layout for a wide step moves the others forward
+    model = tiny_model("llama", max_seq_len=512)
+    reqs = [([3, 4, 5], GenerationConfig(max_new_tokens=3, do_sample=False)),
+            ([6, 7], GenerationConfig(max_new_tokens=2, do_sample=False)),
+            (list(range(5, 25)) * 2, GenerationConfig(max_new_tokens=120, prompt_lookup_num_tokens=8, do_sample=False)),
+            ([9, 9, 9], GenerationConfig(max_new_tokens=60, prompt_lookup_num_tokens=3, do_sample=False))]
+    sequences = drive(Engine(model, max_batch_size=4, prefix_cache_tokens=0), reqs)
+    for (prompt, options), sequence in zip(reqs, sequences):
+        assert sequence.tokens == alone(model, prompt, options.update(prompt_lookup_num_tokens=None))
+
+
 def test_a_draft_model_drafts_for_rows_that_ask_and_their_tokens_are_the_models_alone():
     model = tiny_model("llama")
     draft = tiny_model("llama", n_layers=1, seed=3)
