@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.generate import markdown
 from llm.cli.common import ArgumentParser, integer
 
 #: (name, overrides of the config): the baseline, then one change each.
@@ -74,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     base = rows[0]["bits_per_byte"]
     print(f"\n{args.config}, {args.minutes:g} minutes of training each ({platform.processor() or platform.machine()}):\n")
-    print("| variant | s/batch | batches | training s (compiling) | bits per byte | vs the first row |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['seconds_per_batch']:.2f} | {r['batches']} | {r['train_seconds']:.0f} "
-              f"({r['compile_seconds']:.0f}) | {r['bits_per_byte']:.4f} | {r['bits_per_byte'] - base:+.4f} |")
+    print(markdown([{"variant": r["variant"], "s/batch": r["seconds_per_batch"], "batches": r["batches"],
+                     "training s (compiling)": f"{r['train_seconds']:.0f} ({r['compile_seconds']:.0f})",
+                     "bits per byte": f"{r['bits_per_byte']:.4f}",
+                     "vs the first row": f"{r['bits_per_byte'] - base:+.4f}"} for r in rows]))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

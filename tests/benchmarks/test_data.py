@@ -105,4 +105,4 @@ def test_the_ablation_gives_each_variant_the_batches_that_fill_its_minutes(monke
     assert [c[-2:] for c in calls[1::2]] == [["max_duration=60ba", "scheduler.t_warmup=0.15dur"]] * 2
     assert calls[0] == ["max_duration=4ba", "scheduler.t_warmup=1ba"]
     table = capsys.readouterr().out
-    assert "| compiled (compile_config={}) | 0.50 | 60 | 60 (30) | 2.0000 | -0.1000 |" in table
+    assert "| compiled (compile_config={}) | 0.50 | 60 | 60 (30) | 2.0000 | -0.1000 |" in table.splitlines()
