@@ -439,9 +439,9 @@ class Engine:
     def _feed(self, sequence: Sequence) -> list[int]:
         """The tokens a row's step feeds: its last token, then (speculating) a draft of at most the
         tokens it may still emit less one, since the step emits one past an accepted draft."""
+        if sequence.drafter is None:  # the decode loop's common case: no copy of the history
+            return [sequence.tokens[-1] if sequence.tokens else sequence.prompt[-1]]
         history = sequence.prompt + sequence.tokens
-        if sequence.drafter is None:
-            return history[-1:]
         room = sequence.options.max_new_tokens - len(sequence.tokens) - 1
         ids = torch.tensor(history, device=self.model.device)
         sequence.drafter.accepted(ids)  # a draft model's cache forgets the tokens not taken

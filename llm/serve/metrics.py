@@ -41,7 +41,7 @@ class Metrics:
                                      registry=r)
         self.generation_tokens = Counter("llm:generation_tokens", "Tokens generated.", registry=r)
         self.draft_tokens = Counter("llm:spec_decode_num_draft_tokens", "Draft tokens proposed by speculating "
-                                    "rows (prompt lookup), verified in the batch's steps.", registry=r)
+                                    "rows (prompt lookup or a draft model), verified in the batch's steps.", registry=r)
         self.accepted_tokens = Counter("llm:spec_decode_num_accepted_tokens", "Draft tokens accepted: each one a "
                                        "token gained without a step of its own.", registry=r)
         self.time_to_first_token = Histogram("llm:time_to_first_token_seconds", "From a request's arrival to its "
