@@ -98,11 +98,12 @@ class SlotBatch:
             self.key_mask[s, start:self.column] = True
             self.starts[s] = start
 
-    def join_all(self, joining: list) -> None:
-        """Add the rows of ``joining``, ``(row, past)`` pairs whose prompt is in ``past``: per layer
-        (key, value), each (1, kv_n_heads, P, head_dim) in the model's dtype, P >= 1. Their next
-        tokens are fed at the next :meth:`step`. The buffer is re-laid out at most once for all of
-        them (a re-layout allocates and copies the whole buffer).
+    def join_all(self, joining: list, room: int = 1) -> None:
+        """Add the rows of ``joining``, ``(row, past)`` pairs whose tokens so far are in ``past``: per
+        layer (key, value), each (1, kv_n_heads, P, head_dim) in the model's dtype, or ``[]`` for a
+        row with none yet (P = 0). Their next tokens are fed at the next :meth:`step` or
+        :meth:`step_many`, for which at least ``room`` columns are left. The buffer is re-laid out
+        at most once for all of them (a re-layout allocates and copies the whole buffer).
 
         Raises:
             RuntimeError: if they do not all fit in the free slots.
@@ -112,12 +113,12 @@ class SlotBatch:
         rows = len(self) + len(joining)
         if rows > self.max_slots:
             raise RuntimeError(f"{len(joining)} rows do not fit: {len(self)} of the {self.max_slots} slots are taken")
-        longest = max(past[0][0].shape[2] for _, past in joining)
+        longest = max(past[0][0].shape[2] if past else 0 for _, past in joining)
         slots = len(self.rows) if rows <= len(self.rows) else _slots_for(rows, self.max_slots)
-        if slots != len(self.rows) or self.column < longest or self.column >= self.capacity:
-            self._relayout(slots, longest)
+        if slots != len(self.rows) or self.column < longest or self.column + room > self.capacity:
+            self._relayout(slots, longest, room)
         for row, past in joining:
-            length = past[0][0].shape[2]
+            length = past[0][0].shape[2] if past else 0
             slot = self.rows.index(None)
             start = self.column - length
             for i, (key, value) in enumerate(past):
@@ -147,12 +148,14 @@ class SlotBatch:
         if len(self.rows) > 1 and len(self) * 4 <= len(self.rows):
             self._relayout(_slots_for(max(len(self), 1), self.max_slots), 0)
 
-    def step_many(self, tokens_of) -> torch.Tensor:
+    def step_many(self, tokens_of, last_only: bool = False) -> torch.Tensor:
         """Feed each row its next tokens, ``tokens_of(row)`` (a list of at least one int: the last
-        token, then a draft to verify), in one forward of width W, the longest list: row r's i-th
-        token at column ``column + i``, the columns past its own list masked. Return (slots, W,
-        vocab_size) logits, row r's i-th the next-token logits after its i-th token (a free slot's
-        and those past a row's list are meaningless). The column moves on by W; call
+        token, then a draft to verify; or a prompt's tokens), in one forward of width W, the
+        longest list: row r's i-th token at column ``column + i``, the columns past its own list
+        masked. Return (slots, W, vocab_size) logits, row r's i-th the next-token logits after its
+        i-th token (a free slot's and those past a row's list are meaningless); with
+        ``last_only``, (slots, 1, vocab_size): only those after each row's last token (a batch of
+        prompts, whose other positions need no output layer). The column moves on by W; call
         :meth:`keep` for each row that accepted fewer than all of its tokens.
 
         One call's logits of a row are those of its tokens fed one step at a time: the key mask
@@ -161,7 +164,7 @@ class SlotBatch:
         """
         fed = {id(row): tokens_of(row) for row in self.rows if row is not None}
         width = max(map(len, fed.values()))
-        if width == 1:
+        if width == 1 and not last_only:
             return self.step(lambda row: fed[id(row)][0])[:, None]
         if self.column + width > self.capacity:
             self._relayout(len(self.rows), 0, room=width)  # rows may move to other slots
@@ -172,7 +175,8 @@ class SlotBatch:
             self.key_mask[slot, column:column + len(feed)] = True
         ids = torch.tensor([f + [0] * (width - len(f)) for f in feeds], device=device)
         position = torch.arange(column, column + width, device=device)
-        logits = self.model.forward_static(ids, self.cache, position, self.key_mask)
+        last = (torch.tensor([[max(len(f), 1) - 1] for f in feeds], device=device) if last_only else None)
+        logits = self.model.forward_static(ids, self.cache, position, self.key_mask, last)
         self._fed = (column, width)
         self.column += width
         self.cache.set_seq_length(self.column)

@@ -8,7 +8,9 @@ iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's contin
   as Sarathi-Serve and vLLM): each engine step prefills at most ``prefill_chunk`` prompt tokens
   before the batch's decoding step, so a long prompt arriving delays the running rows' next
   tokens by one chunk's time, not its whole prefill; a prompt that fits in a chunk is never cut.
-  Its first token is sampled from the last chunk's logits, and its keys and values copied into a
+  The prompts whose rests fit in a step's chunk are prefilled together, in one forward over a
+  :class:`~llm.serve.batch.SlotBatch` of their own (Sarathi-Serve's and vLLM's batched prefill).
+  A prompt's first token is sampled from the last chunk's logits, and its keys and values copied into a
   free slot of the :class:`~llm.serve.batch.SlotBatch`. A prompt cached but for its last token
   (a repeated prompt: a lookup leaves at least one token to compute) joins the batch at once, and
   the batch's step feeds that token with the other rows' (as vLLM computes only the last token of
@@ -56,6 +58,16 @@ from llm.serve.prefix import PrefixCache, layers_of
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """The length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class QueueFull(RuntimeError):
@@ -352,12 +364,26 @@ class Engine:
     def _prefill_some(self) -> None:
         """Prefill the admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all: a
         prompt's rest that fits in a chunk is prefilled whole or waits for the next step, a longer
-        rest takes what the step has left."""
-        budget = self.prefill_chunk
+        rest takes what the step has left. The whole rests of a step go through one forward
+        together (:meth:`_prefill_together`), a longer prompt's chunk through one of its own. A
+        prompt that repeats most of one prefilled beside it (``n > 1``, a resent prompt) waits
+        for that one's keys and values, then takes them from the prefix cache in the same step."""
+        budget, deferred = self.prefill_chunk, True
+        while deferred and budget > 0:
+            budget, deferred = self._prefill_pass(budget)
+
+    def _prefill_pass(self, budget: int) -> tuple[int, bool]:
+        """One pass of :meth:`_prefill_some` over the prefilling prompts; returns the budget left
+        and whether a prompt waited for another's keys and values."""
+        together, deferred = [], False
         for sequence in list(self.prefilling):
             if budget <= 0:
                 break
             if sequence.prefill_cache is None:  # now: a prompt prefilled just before may share its prefix
+                half = len(sequence.prompt) // 2
+                if any(_shared(sequence.prompt, other.prompt) > half for other in together):
+                    deferred = True
+                    continue
                 sequence.cached_tokens, past = self.prefix.lookup(sequence.prompt)
                 sequence.prefill_cache = past if past is not None else DynamicCache()
                 sequence.prefilled = sequence.cached_tokens
@@ -366,31 +392,77 @@ class Engine:
                 # all but the last token cached: the row joins the batch and its step feeds that
                 # token, beside the other rows' (a step of its own would cost a forward)
                 self.prefilling.remove(sequence)
-                cache, sequence.prefill_cache = sequence.prefill_cache, None
-                # views, not copies (layers_of): joining copies them into the batch's buffer
-                self._joining.append((sequence, [(k[:, :, :sequence.prefilled], v[:, :, :sequence.prefilled])
-                                                 for k, v in cache]))
+                self._joining.append((sequence, self._prefill_layers(sequence)))
                 continue
-            if left > budget and left <= self.prefill_chunk:
+            if left <= budget:
+                together.append(sequence)
+                budget -= left
                 continue
-            count = min(left, budget)
+            if left <= self.prefill_chunk:
+                continue
             start = sequence.prefilled
             try:
-                ids = torch.tensor([sequence.prompt[start:start + count]], device=self.model.device)
+                ids = torch.tensor([sequence.prompt[start:start + budget]], device=self.model.device)
+                self.model(input_ids=ids, past_key_values=sequence.prefill_cache, use_cache=True, logits_to_keep=1)
+                sequence.prefilled += budget
+                budget = 0
+            except Exception as err:  # one bad request must not stop the others
+                self._prefill_failed([sequence], err)
+        if together:
+            self._prefill_together(together)
+        return budget, deferred and bool(together)
+
+    @staticmethod
+    def _prefill_layers(sequence: Sequence) -> list:
+        """The prompt positions a prefilling sequence holds, per layer (key, value) views (joining
+        copies them), and no longer its prefill cache."""
+        cache, sequence.prefill_cache = sequence.prefill_cache, None
+        return [(k[:, :, :sequence.prefilled], v[:, :, :sequence.prefilled]) for k, v in cache]
+
+    def _prefill_together(self, group: list[Sequence]) -> None:
+        """Prefill the rest of every prompt of ``group`` and emit their first tokens. One prompt runs
+        through the model's cached forward; several through one forward over a batch of their own
+        (a :class:`~llm.serve.batch.SlotBatch` holding each one's cached prefix), so a projection's
+        weights are read once for all of them. A row's logits are those it has alone: its keys,
+        positions and mask are its own (bit for bit on our kernels). If that forward fails, each
+        prompt is tried alone, so that a bad request fails alone."""
+        if len(group) == 1:
+            sequence = group[0]
+            try:
+                ids = torch.tensor([sequence.prompt[sequence.prefilled:]], device=self.model.device)
                 out = self.model(input_ids=ids, past_key_values=sequence.prefill_cache, use_cache=True,
                                  logits_to_keep=1)
-                sequence.prefilled += count
-                budget -= count
-                if sequence.prefilled == len(sequence.prompt):
-                    self.prefilling.remove(sequence)
-                    cache, sequence.prefill_cache = sequence.prefill_cache, None
-                    self._prefilled(sequence, out.logits[:, -1], layers_of(cache, len(sequence.prompt)))
             except Exception as err:  # one bad request must not stop the others
-                log.exception("request %d failed at prefill", sequence.id)
-                if sequence in self.prefilling:
-                    self.prefilling.remove(sequence)
-                sequence.prefill_cache = None
-                self._fail(sequence, err)
+                self._prefill_failed(group, err)
+                return
+            results = [(sequence, out.logits[:, -1], layers_of(sequence.prefill_cache, len(sequence.prompt)))]
+        else:
+            try:
+                batch = SlotBatch(self.model, len(group))
+                batch.join_all([(s, [(k[:, :, :s.prefilled], v[:, :, :s.prefilled]) for k, v in s.prefill_cache])
+                                for s in group], room=max(len(s.prompt) - s.prefilled for s in group))
+                logits = batch.step_many(lambda s: s.prompt[s.prefilled:], last_only=True)
+            except Exception:
+                log.exception("a batch of %d prompts failed at prefill: each is tried alone", len(group))
+                for sequence in group:
+                    self._prefill_together([sequence])
+                return
+            results = [(s, logits[slot], batch.leave(slot)) for slot, s in enumerate(batch.rows) if s is not None]
+        for sequence, logits, layers in results:
+            self.prefilling.remove(sequence)
+            sequence.prefill_cache, sequence.prefilled = None, len(sequence.prompt)
+            try:
+                self._prefilled(sequence, logits, layers)
+            except Exception as err:
+                self._prefill_failed([sequence], err)
+
+    def _prefill_failed(self, sequences: list[Sequence], err: Exception) -> None:
+        for sequence in sequences:
+            log.error("request %d failed at prefill: %s", sequence.id, err, exc_info=err)
+            if sequence in self.prefilling:
+                self.prefilling.remove(sequence)
+            sequence.prefill_cache = None
+            self._fail(sequence, err)
 
     def _prefilled(self, sequence: Sequence, logits: torch.Tensor, layers: list) -> None:
         """A prompt is in ``layers``: keep it in the prefix cache, emit its first token (from

@@ -14,6 +14,7 @@ from llm.data import build_char_tokenizer
 from llm.generation import compiled
 from llm.generation.compiled import cache_capacity
 from llm.serve import Engine
+from llm.serve.batch import SlotBatch
 from tests.conftest import POSITION_SCHEMES, QUANTIZATIONS, tiny_model
 
 
@@ -177,11 +178,20 @@ def test_compiled_steps_decode_as_eager_generate_with_a_graph_per_batch_shape(co
 
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("quantization,kv_n_heads", [("int4", 1), ("int8", 2), ("int4", 4)])
-def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantization, kv_n_heads):
+def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantization, kv_n_heads, monkeypatch):
     # batch invariance: a greedy request's logprobs (the model's log-softmax) are the same bits
     # whatever joins or leaves the batch around it, whether its prompt came from the prefix cache
-    # or not, in how many chunks it was prefilled, and whatever slot count and buffer layout the
-    # batch has when it decodes
+    # or not, in how many chunks it was prefilled, whether other prompts were prefilled in the same
+    # forward, and whatever slot count and buffer layout the batch has when it decodes
+    prefilled_together = []
+    step_many = SlotBatch.step_many
+
+    def spy(self, tokens_of, last_only=False):
+        if last_only:
+            prefilled_together.append(len(self))
+        return step_many(self, tokens_of, last_only)
+
+    monkeypatch.setattr(SlotBatch, "step_many", spy)
     model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, vocab_size=97, max_seq_len=256,
                        quantization=quantization, kernels="llm", seed=kv_n_heads)
     rng = random.Random(kv_n_heads)
@@ -221,6 +231,7 @@ def test_on_our_kernels_a_row_is_bit_identical_alone_or_in_any_batch(quantizatio
             assert any(s.cached_tokens == len(s.prompt) - 1 for s in sequences)
         if lookup:  # drafts were verified (accepted ones: the test above and test_invariance)
             assert sum(s.draft_tokens for s in sequences) > 0
+    assert prefilled_together and max(prefilled_together) >= 3
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_batch_decodes():

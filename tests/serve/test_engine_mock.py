@@ -58,15 +58,18 @@ class MockModel:
         seen = k[0, 0, :, 0].long().tolist()
         return CausalLMOutput(logits=one_hot(seen)[None, None])
 
-    def forward_static(self, input_ids, cache, cache_position, key_mask):
+    def forward_static(self, input_ids, cache, cache_position, key_mask, logits_index=None):
         self.forwards += 1
-        column = int(cache_position[0])
-        cache._keys[0][:, 0, column, 0] = input_ids[:, 0].float()
+        cache._keys[0][:, 0, cache_position, 0] = input_ids.float()
         rows = []
         for row in range(input_ids.shape[0]):
-            visible = key_mask[row, :column + 1]
-            rows.append(one_hot(cache._keys[0][row, 0, :column + 1, 0][visible].long().tolist()))
-        return torch.stack(rows)[:, None]
+            columns = []
+            for column in cache_position.tolist():
+                visible = key_mask[row, :column + 1]
+                columns.append(one_hot(cache._keys[0][row, 0, :column + 1, 0][visible].long().tolist()))
+            rows.append(torch.stack(columns))
+        logits = torch.stack(rows)
+        return logits if logits_index is None else logits.gather(1, logits_index[..., None].expand(-1, -1, VOCAB))
 
 
 def options(max_new_tokens):
@@ -201,12 +204,17 @@ def test_bad_submissions_are_refused_before_anything_runs():
 
 
 class FlakyModel(MockModel):
-    """Fails the prefill of 13-token prompts."""
+    """Fails every prefill that holds a 13-token prompt, alone or beside others."""
 
     def __call__(self, input_ids, *args, **kwargs):
         if input_ids.shape[1] == 13:
             raise RuntimeError("boom")
         return super().__call__(input_ids, *args, **kwargs)
+
+    def forward_static(self, input_ids, *args, **kwargs):
+        if input_ids.shape[1] == 13:
+            raise RuntimeError("boom")
+        return super().forward_static(input_ids, *args, **kwargs)
 
 
 def test_a_failing_prefill_fails_only_its_request():
@@ -223,3 +231,23 @@ def test_dynamic_cache_of_the_mock_matches_the_script():
     model(torch.tensor([[1, 2]]), cache, True, 1)
     out = model(torch.tensor([[3]]), cache, True, 1)
     assert int(out.logits[0, -1].argmax()) == script([1, 2, 3])
+
+
+def test_prompts_admitted_together_are_prefilled_in_one_forward():
+    # three new prompts of different lengths (one after a cached prefix) go through one forward;
+    # one that repeats most of a prompt beside it waits for that one's keys and values, then
+    # takes them from the prefix cache in the same step and joins with only its last token to feed
+    model = MockModel()
+    engine = Engine(model, max_batch_size=8, prefix_cache_tokens=1000)
+    (warm,) = engine.submit([([4] * 6, options(1))])
+    run(engine)
+    prompts = [[4] * 6 + [1, 2, 3], [5] * 11, [6, 7], [5] * 11 + [8]]
+    sequences = engine.submit([(p, options(4)) for p in prompts])
+    model.forwards = 0
+    engine.step()
+    assert model.forwards == 2  # the prompts' forward, then the batch's step
+    assert [len(s.tokens) for s in sequences] == [2, 2, 2, 1]  # the last one joined to feed its last token
+    assert [s.cached_tokens for s in sequences] == [6, 0, 0, 11]
+    run(engine)
+    for sequence in [warm, *sequences]:
+        assert sequence.tokens == scripted(sequence.prompt, sequence.options.max_new_tokens)
