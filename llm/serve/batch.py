@@ -33,13 +33,15 @@ class SlotBatch:
         max_slots: the most rows at once.
         compile: run the decoding step through ``torch.compile``
             (:func:`~llm.generation.compiled.compiled_step`).
+        grow: leave room for the rows to grow (the capacity twice what they need); False for a
+            batch of one step (prompts prefilled together), whose buffer holds just what it needs.
 
     Attributes:
         rows: per slot, the caller's object for the row there, or None for a free slot.
     """
 
-    def __init__(self, model, max_slots: int, compile: bool = False):
-        self.model, self.max_slots, self.compile = model, max_slots, compile
+    def __init__(self, model, max_slots: int, compile: bool = False, grow: bool = True):
+        self.model, self.max_slots, self.compile, self.grow = model, max_slots, compile, grow
         self.rows: list = []
         self.starts: list[int] = []
         self.column = 0
@@ -55,8 +57,8 @@ class SlotBatch:
 
     def _relayout(self, slots: int, column: int, room: int = 1) -> None:
         """New buffers of ``slots`` slots holding every row, the current column moved to at least
-        ``column`` and at least the rows' longest span; the capacity is what that needs, twice,
-        and at least ``room`` columns past it. A row's masked columns (rejected drafts) are left
+        ``column`` and at least the rows' longest span; the capacity is what that needs, twice
+        (unless the batch does not grow), and at least ``room`` columns past it. A row's masked columns (rejected drafts) are left
         behind: its real ones move together, so the buffer grows with the tokens kept only."""
         live = [s for s, row in enumerate(self.rows) if row is not None]
         if any(int(self.key_mask[s, self.starts[s]:self.column].sum()) != self.column - self.starts[s] for s in live):
@@ -64,7 +66,7 @@ class SlotBatch:
         low = min((self.starts[s] for s in live), default=self.column)
         span = self.column - low
         new_column = max(span, column)
-        capacity = cache_capacity(max(2 * new_column, new_column + room))
+        capacity = cache_capacity(max(2 * new_column if self.grow else 0, new_column + room))
         shift = new_column - self.column
         model = self.model
         # zeroing a buffer of 16 slots x 1024 positions (720 MiB for SmolLM2) takes 0.2 s: not

@@ -438,7 +438,7 @@ class Engine:
             results = [(sequence, out.logits[:, -1], layers_of(sequence.prefill_cache, len(sequence.prompt)))]
         else:
             try:
-                batch = SlotBatch(self.model, len(group))
+                batch = SlotBatch(self.model, len(group), grow=False)
                 batch.join_all([(s, [(k[:, :, :s.prefilled], v[:, :, :s.prefilled]) for k, v in s.prefill_cache])
                                 for s in group], room=max(len(s.prompt) - s.prefilled for s in group))
                 logits = batch.step_many(lambda s: s.prompt[s.prefilled:], last_only=True)
