@@ -3,6 +3,7 @@ shipped, Q4_0 and Q8_0 made from the same weights by `llama-quantize`): decode t
 tokens (llama-bench's tg128) and prefill tok/s of 512 tokens (pp512), the two taking turns, several
 rounds, medians and the median of the per-round ratios; optionally again while a CPU-bound process
 runs on one core (`--busy`), to show how much of the quiet speed each keeps on a shared machine.
+Last, the memory read bandwidth each decode uses (its weights x tokens/s) against the machine's.
 
 Ours runs as a user gets it: `MosaicGPT.from_pretrained(file)` with no flag (the file's own blocks
 on our kernels, eager). Needs `make llama-tools` (llama.cpp built in .venv-peers); run it alone on
@@ -69,6 +70,43 @@ def ours(model: MosaicGPT, start: int) -> tuple[float, float]:
     return clock.decode_tokens_per_s(), 512 / (time.perf_counter() - began)
 
 
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """The machine's memory read bandwidth in GB/s: the best of ``repeats`` sums over a float32
+    array of ``gib`` GiB (far past the caches) on ``threads`` threads (torch's reduction)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - began)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_bytes(model: MosaicGPT) -> int:
+    """Bytes of the model's weights (parameters and buffers, each storage once): what a decode
+    step reads, all of it, but for the embedding's other rows (a tied output layer reads them)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    for module in model.modules():  # quantized layers keep their packed blocks as attributes
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                total += value.untyped_storage().nbytes()
+    return total
+
+
+def gguf_tensor_bytes(path: Path) -> int:
+    """Bytes of a GGUF file's tensor data: what llama.cpp's decode step reads."""
+    from llm.utils.gguf import read_gguf
+
+    return sum(int(t.n_bytes) for t in read_gguf(path).tensors)
+
+
 def rounds(fns: dict, n: int) -> dict[str, list[tuple[float, float]]]:
     """Every call ``n`` times after a warm-up, taking turns, each round starting one further on."""
     names = list(fns)
@@ -114,7 +152,7 @@ def main(argv=None) -> int:
             finally:
                 if hog is not None:
                     hog.kill()
-            row = {"file": kind, "condition": condition}
+            row = {"file": kind, "condition": condition, "bytes": (step_bytes(model), gguf_tensor_bytes(path))}
             for i, what in enumerate(("tg128", "pp512")):
                 a, b = [g[i] for g in got["ours"]], [g[i] for g in got["llama.cpp"]]
                 ratios = [x / y for x, y in zip(a, b)]
@@ -122,6 +160,7 @@ def main(argv=None) -> int:
                              max(ratios))
             table.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+    bandwidth = read_bandwidth(args.threads)
     print(f"{args.rounds} rounds taking turns, {args.threads} threads; ratio: median of the per-round ratios (range)\n")
     print("| file | condition | ours tg128 | llama-bench tg128 | ratio | ours pp512 | llama-bench pp512 | ratio |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -131,6 +170,18 @@ def main(argv=None) -> int:
             a, b, mid, lo, hi = row[what]
             cells += [f"{a:.1f}", f"{b:.1f}", f"{mid:.2f} ({lo:.2f}-{hi:.2f})"]
         print(f"| {row['file']} | {row['condition']} | " + " | ".join(cells) + " |")
+    # decoding one token reads every weight once: weights x tokens/s is the read bandwidth a
+    # decode uses, and the machine's bandwidth over the weights is the most tokens/s it allows
+    print(f"\nmemory read bandwidth ({args.threads} threads, a 1 GiB sum): {bandwidth:.1f} GB/s\n")
+    print("| file | weights read per token, ours / llama.cpp (MB) | tg128 x weights, ours / llama.cpp (GB/s) "
+          "| tokens/s the bandwidth allows ours | 1.5x llama-bench tg128 |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in table:
+        if row["condition"] != "quiet":
+            continue
+        (a, b, *_), (mine, theirs) = row["tg128"], row["bytes"]
+        print(f"| {row['file']} | {mine / 1e6:.1f} / {theirs / 1e6:.1f} | {a * mine / 1e9:.1f} / {b * theirs / 1e9:.1f} "
+              f"| {bandwidth * 1e9 / mine:.0f} | {1.5 * b:.0f} |")
     return 0
 
 
