@@ -8,8 +8,9 @@ iteration-level scheduling, Yu et al. 2022; vLLM's and llama.cpp server's contin
   as Sarathi-Serve and vLLM): each engine step prefills at most ``prefill_chunk`` prompt tokens
   before the batch's decoding step, so a long prompt arriving delays the running rows' next
   tokens by one chunk's time, not its whole prefill; a prompt that fits in a chunk is never cut.
-  The prompts whose rests fit in a step's chunk are prefilled together, in one forward over a
-  :class:`~llm.serve.batch.SlotBatch` of their own (Sarathi-Serve's and vLLM's batched prefill).
+  The prompts whose rests fit in a step's chunk go first and are prefilled together, in one
+  forward over a :class:`~llm.serve.batch.SlotBatch` of their own (Sarathi-Serve's and vLLM's
+  batched prefill); the oldest longer prompt takes what is left, at least a quarter of the chunk.
   A prompt's first token is sampled from the last chunk's logits, and its keys and values copied into a
   free slot of the :class:`~llm.serve.batch.SlotBatch`. A prompt cached but for its last token
   (a repeated prompt: a lookup leaves at least one token to compute) joins the batch at once, and
@@ -362,27 +363,27 @@ class Engine:
         self.prefilling.append(sequence)  # its prefix-cache lookup waits for its first chunk
 
     def _prefill_some(self) -> None:
-        """Prefill the admitted prompts, oldest first, up to ``prefill_chunk`` tokens in all: a
-        prompt's rest that fits in a chunk is prefilled whole or waits for the next step, a longer
-        rest takes what the step has left. The whole rests of a step go through one forward
-        together (:meth:`_prefill_together`), a longer prompt's chunk through one of its own. A
-        prompt that repeats most of one prefilled beside it (``n > 1``, a resent prompt) waits
-        for that one's keys and values, then takes them from the prefix cache in the same step."""
+        """Prefill the admitted prompts, up to ``prefill_chunk`` tokens in all. Prompts whose rest
+        fits in a chunk go first, oldest first, each whole or not at all this step, all of them
+        in one forward (:meth:`_prefill_together`); the oldest longer prompt takes what the step
+        has left, at least a quarter of the chunk when short ones are waiting, so that a short
+        prompt arriving behind a long one waits one step, not the whole long prefill, and the
+        long one still moves on. A prompt that repeats most of one prefilled beside it (``n > 1``,
+        a resent prompt) waits for that one's keys and values, then takes them from the prefix
+        cache (in the same step, if that one was prefilled whole)."""
         budget, deferred = self.prefill_chunk, True
         while deferred and budget > 0:
             budget, deferred = self._prefill_pass(budget)
 
     def _prefill_pass(self, budget: int) -> tuple[int, bool]:
         """One pass of :meth:`_prefill_some` over the prefilling prompts; returns the budget left
-        and whether a prompt waited for another's keys and values."""
-        together, deferred = [], False
+        and whether a prompt waits for the keys and values of one prefilled whole in this pass."""
+        short, long, deferred = [], [], []
         for sequence in list(self.prefilling):
-            if budget <= 0:
-                break
             if sequence.prefill_cache is None:  # now: a prompt prefilled just before may share its prefix
                 half = len(sequence.prompt) // 2
-                if any(_shared(sequence.prompt, other.prompt) > half for other in together):
-                    deferred = True
+                if any(_shared(sequence.prompt, other.prompt) > half for other in short + long):
+                    deferred.append(sequence)
                     continue
                 sequence.cached_tokens, past = self.prefix.lookup(sequence.prompt)
                 sequence.prefill_cache = past if past is not None else DynamicCache()
@@ -393,14 +394,17 @@ class Engine:
                 # token, beside the other rows' (a step of its own would cost a forward)
                 self.prefilling.remove(sequence)
                 self._joining.append((sequence, self._prefill_layers(sequence)))
-                continue
-            if left <= budget:
+            else:
+                (long if left > self.prefill_chunk else short).append(sequence)
+        reserve = min(budget, max(1, self.prefill_chunk // 4)) if long else 0
+        together = []
+        for sequence in short:
+            left = len(sequence.prompt) - sequence.prefilled
+            if left <= budget - reserve:
                 together.append(sequence)
                 budget -= left
-                continue
-            if left <= self.prefill_chunk:
-                continue
-            start = sequence.prefilled
+        if long and budget > 0:
+            sequence, start = long[0], long[0].prefilled
             try:
                 ids = torch.tensor([sequence.prompt[start:start + budget]], device=self.model.device)
                 self.model(input_ids=ids, past_key_values=sequence.prefill_cache, use_cache=True, logits_to_keep=1)
@@ -410,7 +414,8 @@ class Engine:
                 self._prefill_failed([sequence], err)
         if together:
             self._prefill_together(together)
-        return budget, deferred and bool(together)
+        waits_on_done = any(_shared(s.prompt, other.prompt) > len(s.prompt) // 2 for s in deferred for other in together)
+        return budget, waits_on_done
 
     @staticmethod
     def _prefill_layers(sequence: Sequence) -> list:

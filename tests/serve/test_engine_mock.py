@@ -251,3 +251,23 @@ def test_prompts_admitted_together_are_prefilled_in_one_forward():
     run(engine)
     for sequence in [warm, *sequences]:
         assert sequence.tokens == scripted(sequence.prompt, sequence.options.max_new_tokens)
+
+
+def test_a_short_prompt_behind_a_long_one_waits_one_step_and_the_long_one_moves_on():
+    # head-of-line blocking: the long prompt's prefill takes many steps; a short prompt that
+    # arrives during it is prefilled whole at the next step, and the long one still gets at
+    # least a quarter of every step's chunk
+    engine = Engine(MockModel(), max_batch_size=4, prefix_cache_tokens=0, prefill_chunk=16)
+    (long,) = engine.submit([([1 + i % 40 for i in range(99)], options(3))])
+    engine.step()
+    assert long.prefilled == 16
+    shorts = []
+    for step in range(3):
+        (short,) = engine.submit([([41 + step] * 12, options(2))])
+        before = long.prefilled
+        engine.step()
+        assert short.tokens and long.prefilled == before + 4  # 12 + 4 = the chunk
+        shorts.append(short)
+    run(engine)
+    for sequence in [long, *shorts]:
+        assert sequence.tokens == scripted(sequence.prompt, sequence.options.max_new_tokens)
