@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
+from llm.utils.tokens import common_prefix
 
 EXAMPLE = """example:
   llm chat --model smollm2-135m-instruct --system "You answer in one sentence."
@@ -31,15 +32,6 @@ def build_parser(prog: str = "llm chat") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=integer(0))
     add_model_arguments(p, compile_help="decode through torch.compile over a static cache")
     return p
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
@@ -90,7 +82,7 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
             return 0
         messages.append({"role": "user", "content": line.strip()})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        keep = min(_common_prefix(cached_ids, ids), len(ids) - 1)  # at least one new token to prefill
+        keep = min(common_prefix(cached_ids, ids), len(ids) - 1)  # at least one new token to prefill
         cache.crop(keep)
         answer, printed = [], ""
         try:

@@ -55,20 +55,11 @@ from llm.generation.decoding import StopStrings, check_finite_logits, check_toke
 from llm.generation.sampling import Sampler
 from llm.serve.batch import SlotBatch
 from llm.serve.prefix import PrefixCache, layers_of
+from llm.utils.tokens import common_prefix
 
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """The length of the common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class QueueFull(RuntimeError):
@@ -382,7 +373,7 @@ class Engine:
         for sequence in list(self.prefilling):
             if sequence.prefill_cache is None:  # now: a prompt prefilled just before may share its prefix
                 half = len(sequence.prompt) // 2
-                if any(_shared(sequence.prompt, other.prompt) > half for other in short + long):
+                if any(common_prefix(sequence.prompt, other.prompt) > half for other in short + long):
                     deferred.append(sequence)
                     continue
                 sequence.cached_tokens, past = self.prefix.lookup(sequence.prompt)
@@ -414,8 +405,8 @@ class Engine:
                 self._prefill_failed([sequence], err)
         if together:
             self._prefill_together(together)
-        waits_on_done = any(_shared(s.prompt, other.prompt) > len(s.prompt) // 2 for s in deferred for other in together)
-        return budget, waits_on_done
+        return budget, any(common_prefix(s.prompt, other.prompt) > len(s.prompt) // 2
+                           for s in deferred for other in together)
 
     @staticmethod
     def _prefill_layers(sequence: Sequence) -> list:

@@ -1,6 +1,7 @@
 """What ties a tokenizer to a model: the digest of the tokenizer saved with its weights, and the check
-that a tokenizer's ids fit a model's vocabulary. Standard library only, so that every layer (the
-cache, the tokenizer loader, the bundle) applies the same rule."""
+that a tokenizer's ids fit a model's vocabulary; and the common prefix of two token id lists.
+Standard library only, so that every layer (the cache, the tokenizer loader, the bundle, the
+server) applies the same rule."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import json
 
 #: The weights' metadata key (``model.safetensors``) of the digest of the tokenizer saved with them.
 TOKENIZER_DIGEST_KEY = "llm.tokenizer_sha256"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two lists of token ids."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def tokenizer_digest(tokenizer) -> str:
