@@ -58,8 +58,9 @@ class SlotBatch:
     def _relayout(self, slots: int, column: int, room: int = 1) -> None:
         """New buffers of ``slots`` slots holding every row, the current column moved to at least
         ``column`` and at least the rows' longest span; the capacity is what that needs, twice
-        (unless the batch does not grow), and at least ``room`` columns past it. A row's masked columns (rejected drafts) are left
-        behind: its real ones move together, so the buffer grows with the tokens kept only."""
+        (unless the batch does not grow), and at least ``room`` columns past it. A row's masked
+        columns (rejected drafts) are left behind: its real ones move together, so the buffer
+        grows with the tokens kept only."""
         live = [s for s, row in enumerate(self.rows) if row is not None]
         if any(int(self.key_mask[s, self.starts[s]:self.column].sum()) != self.column - self.starts[s] for s in live):
             self._compact(live)
