@@ -477,6 +477,10 @@ def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: i
         **clock.speed(compiled=run_compile_config(cfg["compile_config"]) is not None),
     }
     peak = peak_flops(cfg)
+    if peak:  # measured again now: a compiled run's first probe shares the cores with inductor's
+        # compile workers starting up (MFU came out over 100%); contention only ever lowers it
+        peak = max(peak, _peak_flops.__wrapped__(torch.bfloat16 if run_precision(cfg["precision"]) == "amp_bf16"
+                                                 else torch.float32))
     metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
                       if peak and metrics["tokens_per_s"] else None)
     return metrics
