@@ -369,12 +369,13 @@ class Engine:
     def _prefill_pass(self, budget: int) -> tuple[int, bool]:
         """One pass of :meth:`_prefill_some` over the prefilling prompts; returns the budget left
         and whether a prompt waits for the keys and values of one prefilled whole in this pass."""
-        short, long, deferred = [], [], []
+        short, long, awaited = [], [], []  # awaited: the prompts a repeat waits for
         for sequence in list(self.prefilling):
             if sequence.prefill_cache is None:  # now: a prompt prefilled just before may share its prefix
                 half = len(sequence.prompt) // 2
-                if any(common_prefix(sequence.prompt, other.prompt) > half for other in short + long):
-                    deferred.append(sequence)
+                repeated = next((o for o in short + long if common_prefix(sequence.prompt, o.prompt) > half), None)
+                if repeated is not None:
+                    awaited.append(repeated)
                     continue
                 sequence.cached_tokens, past = self.prefix.lookup(sequence.prompt)
                 sequence.prefill_cache = past if past is not None else DynamicCache()
@@ -385,6 +386,7 @@ class Engine:
                 # token, beside the other rows' (a step of its own would cost a forward)
                 self.prefilling.remove(sequence)
                 self._joining.append((sequence, self._prefill_layers(sequence)))
+                sequence.prefill_cache = None
             else:
                 (long if left > self.prefill_chunk else short).append(sequence)
         reserve = min(budget, max(1, self.prefill_chunk // 4)) if long else 0
@@ -405,15 +407,13 @@ class Engine:
                 self._prefill_failed([sequence], err)
         if together:
             self._prefill_together(together)
-        return budget, any(common_prefix(s.prompt, other.prompt) > len(s.prompt) // 2
-                           for s in deferred for other in together)
+        return budget, any(other in together for other in awaited)
 
     @staticmethod
     def _prefill_layers(sequence: Sequence) -> list:
         """The prompt positions a prefilling sequence holds, per layer (key, value) views (joining
-        copies them), and no longer its prefill cache."""
-        cache, sequence.prefill_cache = sequence.prefill_cache, None
-        return [(k[:, :, :sequence.prefilled], v[:, :, :sequence.prefilled]) for k, v in cache]
+        copies them)."""
+        return [(k[:, :, :sequence.prefilled], v[:, :, :sequence.prefilled]) for k, v in sequence.prefill_cache]
 
     def _prefill_together(self, group: list[Sequence]) -> None:
         """Prefill the rest of every prompt of ``group`` and emit their first tokens. One prompt runs
@@ -435,8 +435,8 @@ class Engine:
         else:
             try:
                 batch = SlotBatch(self.model, len(group), grow=False)
-                batch.join_all([(s, [(k[:, :, :s.prefilled], v[:, :, :s.prefilled]) for k, v in s.prefill_cache])
-                                for s in group], room=max(len(s.prompt) - s.prefilled for s in group))
+                batch.join_all([(s, self._prefill_layers(s)) for s in group],
+                               room=max(len(s.prompt) - s.prefilled for s in group))
                 logits = batch.step_many(lambda s: s.prompt[s.prefilled:], last_only=True)
             except Exception:
                 log.exception("a batch of %d prompts failed at prefill: each is tried alone", len(group))

@@ -192,12 +192,16 @@ def _peak_flops(dtype: torch.dtype) -> float:
     return measure_peak_flops(dtype, size=1024, seconds=0.2)
 
 
-def peak_flops(cfg: Mapping[str, Any]) -> float | None:
+def peak_flops(cfg: Mapping[str, Any], again: bool = False) -> float | None:
     """The FLOP/s that MFU is measured against: on a CPU, the measured matmul peak of the dtype the
-    run computes in (Composer knows only GPUs'); None on a GPU (Composer's own table)."""
+    run computes in (Composer knows only GPUs'), probed once per process; with ``again``, the higher
+    of that and a new probe (contention only ever lowers one: a compiled run's first probe shares
+    the cores with inductor's compile workers starting up, and read 60% low). None on a GPU
+    (Composer's own table)."""
     if not cpu_run():
         return None
-    return _peak_flops(torch.bfloat16 if run_precision(cfg["precision"]) == "amp_bf16" else torch.float32)
+    dtype = torch.bfloat16 if run_precision(cfg["precision"]) == "amp_bf16" else torch.float32
+    return max(_peak_flops(dtype), _peak_flops.__wrapped__(dtype)) if again else _peak_flops(dtype)
 
 
 def _prepare_run_folder(cfg: Mapping[str, Any], save_folder: Path) -> None:
@@ -476,11 +480,7 @@ def _metrics(cfg, trainer, model, vocab_size: int, heldout: dict, start_batch: i
         "wall_seconds": time.perf_counter() - started,
         **clock.speed(compiled=run_compile_config(cfg["compile_config"]) is not None),
     }
-    peak = peak_flops(cfg)
-    if peak:  # measured again now: a compiled run's first probe shares the cores with inductor's
-        # compile workers starting up (MFU came out over 100%); contention only ever lowers it
-        peak = max(peak, _peak_flops.__wrapped__(torch.bfloat16 if run_precision(cfg["precision"]) == "amp_bf16"
-                                                 else torch.float32))
+    peak = peak_flops(cfg, again=True)
     metrics["mfu"] = (metrics["tokens_per_s"] * flops_per_token(model.config, model.config.max_seq_len) / peak
                       if peak and metrics["tokens_per_s"] else None)
     return metrics
