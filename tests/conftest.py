@@ -8,7 +8,8 @@ from streaming.base import dataset as streaming_dataset
 from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.quant import quantize
+from llm.quant import Int8Linear, quantize
+from llm.quant.quantize import projections
 from llm.utils.home import use_inductor_cache
 
 # The test models are tiny: one thread is faster than two, and immune to a busy second core
@@ -70,7 +71,9 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
                kernels: str = "auto", **overrides) -> MosaicGPT:
     """A randomly initialised 2-layer model in eval mode (weights scaled up so logits vary),
     quantized by ``llm.quant.quantize`` when ``quantization`` is "int8" or "int4", with
-    ``kernels`` as its ``backend``: ``"auto"`` (ours where they run), ``"torch"`` or ``"llm"``.
+    ``kernels`` as its ``backend``: ``"auto"`` (ours where they run), ``"torch"`` or ``"llm"``;
+    "q8_0": "int8" with the projections in groups of 32 with float16 scales (GGUF Q8_0's blocks,
+    as a Q8_0 file loads).
 
     On our kernels a Llama model's forwards are bit-identical whatever the cache, chunking or
     batch (tests/quant/test_invariance.py); the other schemes run their attention through torch's
@@ -84,7 +87,18 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
     model = MosaicGPT(MosaicGPTConfig(**options)).eval()
     if quantization is None:
         return model
-    return quantize(model, quantization, backend=kernels)
+    if quantization != "q8_0":
+        return quantize(model, quantization, backend=kernels)
+    weights = {name: model.get_submodule(name).weight.detach().clone() for name in projections(model)}
+    quantize(model, "int8", backend=kernels)
+    for name, weight in weights.items():  # llama.cpp's quantize_row_q8_0: d = max |w| / 127 per 32
+        layer, groups = model.get_submodule(name), weight.view(weight.shape[0], -1, 32)
+        scales = (groups.abs().amax(-1) / 127).half().float()
+        codes = torch.round(groups / torch.where(scales == 0, 1, scales)[..., None]).to(torch.int8).view(weight.shape)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child,
+                Int8Linear(codes, scales, layer.bias, layer.activation_dtype, backend=kernels))
+    return model
 
 
 @pytest.fixture(params=[(s, i) for s in POSITION_SCHEMES for i in ("torch", "sdpa")],

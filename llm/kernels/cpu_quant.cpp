@@ -16,7 +16,8 @@
 //               q[8t + j] in its low nibble and q[8t + 4 + j] in its high nibble.
 //   int4 scales, mins (NB, K / G, 16) fp16: w = q * scale + min (GGUF Q4_1's convention).
 //   int8 codes  (NB, K / 4, 16, 4) int8: bytes j of row 16b+i at (b, t, i, j) = q[4t + j].
-//   int8 scales (NB * 16,) float32: w = q * scale.
+//   int8 scales (NB * 16,) float32: w = q * scale; or, in groups of G inputs (GGUF Q8_0's blocks),
+//               (NB, K / G, 16) fp16: w = q * scale of its group.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -94,9 +95,9 @@ int64_t grain(int64_t blocks) { return std::max<int64_t>(1, std::min<int64_t>(16
 struct QWeight {
   bool int4 = true;
   const uint8_t* codes = nullptr;  // int8 codes are read as int8_t
-  const at::Half* scales = nullptr;  // int4: (blocks, K / G, 16)
+  const at::Half* scales = nullptr;  // int4, int8 in groups: (blocks, K / G, 16)
   const at::Half* mins = nullptr;
-  const float* lane_scales = nullptr;  // int8: (blocks * 16,)
+  const float* lane_scales = nullptr;  // int8 per row: (blocks * 16,)
   int64_t n = 0, k = 0, group = 0, blocks = 0;
 };
 
@@ -108,11 +109,16 @@ void prefetch_block(const QWeight& w, int64_t b) {
   const int64_t row_bytes = w.int4 ? w.k / 2 : w.k, codes = std::min(kAheadBytes, row_bytes * kLanes);
   const char* c = reinterpret_cast<const char*>(w.codes) + b * row_bytes * kLanes;
   for (int64_t i = 0; i < codes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
-  if (!w.int4) return;
-  const int64_t KG = w.k / w.group, side = std::min<int64_t>(2 * kAheadBytes / w.group, KG * kLanes) * 2;
+  if (!w.scales) return;
+  // the groups' scales (and mins) of the inputs those codes hold: 16 halves a group
+  const int64_t KG = w.k / w.group, inputs = kAheadBytes / (row_bytes * kLanes / w.k);
+  const int64_t side = std::min<int64_t>(inputs / w.group * kLanes, KG * kLanes) * 2;
   const char* d = reinterpret_cast<const char*>(w.scales + b * KG * kLanes);
-  const char* m = reinterpret_cast<const char*>(w.mins + b * KG * kLanes);
-  for (int64_t i = 0; i < side; i += 64) _mm_prefetch(d + i, _MM_HINT_T1), _mm_prefetch(m + i, _MM_HINT_T1);
+  const char* m = w.mins ? reinterpret_cast<const char*>(w.mins + b * KG * kLanes) : nullptr;
+  for (int64_t i = 0; i < side; i += 64) {
+    _mm_prefetch(d + i, _MM_HINT_T1);
+    if (m) _mm_prefetch(m + i, _MM_HINT_T1);
+  }
 #endif
 }
 
@@ -220,6 +226,23 @@ namespace {
 
 void project(const QWeight& w, const float* x, int64_t M, float* out) { LLM_DISPATCH(project(w, x, M, out)); }
 
+// The groups per row of an int8 weight's scales: 0 for float32 per-row scales (blocks * 16,), K / G
+// for float16 scales in groups of G inputs (blocks, K / G, 16), G a multiple of 32 dividing K.
+int64_t int8_groups(const at::Tensor& scales, int64_t blocks, int64_t K, const char* name) {
+  TORCH_CHECK(scales.is_contiguous() && scales.is_cpu(), name, ": scales must be contiguous CPU tensors");
+  if (scales.scalar_type() == at::kFloat) {
+    TORCH_CHECK(scales.numel() == blocks * kLanes, name, ": float32 scales must be per row (", blocks * kLanes,
+                ",), got ", scales.sizes());
+    return 0;
+  }
+  const int64_t groups = scales.numel() / std::max<int64_t>(1, blocks * kLanes);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == blocks &&
+                  scales.size(2) == kLanes && groups > 0 && K % groups == 0 && (K / groups) % kGroup == 0,
+              name, ": int8 codes need float32 scales (blocks * 16,) or float16 scales (blocks, K / group_size, 16) "
+              "with group_size a multiple of 32 dividing ", K, ", got ", scales.scalar_type(), " ", scales.sizes());
+  return groups;
+}
+
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                            const at::Tensor& mins, int64_t group_size, int64_t n) {
   const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
@@ -250,30 +273,36 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   check(x_in, codes, n, K * kLanes);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == codes.size(0) * kLanes,
-              "scales must be contiguous float32 (blocks * 16,)");
+  const int64_t groups = int8_groups(scales, codes.size(0), K, "int8_linear");
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   QWeight w;
   w.int4 = false;
   w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>());
-  w.lane_scales = scales.data_ptr<float>();
-  w.n = n, w.k = K, w.group = K, w.blocks = codes.size(0);
+  if (groups)
+    w.scales = scales.data_ptr<at::Half>();
+  else
+    w.lane_scales = scales.data_ptr<float>();
+  w.n = n, w.k = K, w.group = groups ? K / groups : K, w.blocks = codes.size(0);
   project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
   return out;
 }
 
-// Rows `ids` of a packed int8 table (blocks, K / 4, 16, 4), each times its row's scale: float32
-// (*ids.shape, K), the values of `float(code) * scale` (an embedding lookup in one call, with no
-// unpacked copy of a table the output layer shares).
+// Rows `ids` of a packed int8 table (blocks, K / 4, 16, 4), each times its row's scale (float32
+// (rows,)) or its groups' (float32 (rows, K / G)): float32 (*ids.shape, K), the values of
+// `float(code) * scale` (an embedding lookup in one call, with no unpacked copy of a table the
+// output layer shares).
 at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids_in) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4 && codes.scalar_type() == at::kChar &&
               codes.is_contiguous(), "codes must be the packed int8 layout (blocks, K / 4, 16, 4)");
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be contiguous float32 (rows,)");
+  const int64_t steps = codes.size(1), K = steps * 4, groups = scales.dim() == 2 ? scales.size(1) : 1;
+  TORCH_CHECK((scales.dim() == 1 || (scales.dim() == 2 && groups > 0 && K % groups == 0)) &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "scales must be contiguous float32 (rows,) or (rows, groups) with groups dividing ", K, ", got ",
+              scales.scalar_type(), " ", scales.sizes());
   TORCH_CHECK(ids_in.scalar_type() == at::kLong, "ids must be int64");
   const at::Tensor ids = ids_in.contiguous();
-  const int64_t steps = codes.size(1), K = steps * 4, n = ids.numel();
+  const int64_t n = ids.numel(), G = K / groups;
   const int64_t rows = std::min<int64_t>(codes.size(0) * kLanes, scales.size(0));
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(K);
@@ -287,7 +316,8 @@ at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales,
     TORCH_CHECK(0 <= r && r < rows, "id ", r, " is outside the table's ", rows, " rows");
     const int8_t* row = table + ((r / kLanes) * steps * kLanes + r % kLanes) * 4;
     for (int64_t s = 0; s < steps; ++s)
-      for (int64_t c = 0; c < 4; ++c) o[i * K + 4 * s + c] = static_cast<float>(row[s * kLanes * 4 + c]) * scale[r];
+      for (int64_t c = 0; c < 4; ++c)
+        o[i * K + 4 * s + c] = static_cast<float>(row[s * kLanes * 4 + c]) * scale[r * groups + (4 * s + c) / G];
   }
   return out;
 }
@@ -336,13 +366,16 @@ QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, 
     w.scales = scales->data_ptr<at::Half>();
     w.mins = mins->data_ptr<at::Half>();
   } else {
-    TORCH_CHECK(codes->scalar_type() == at::kChar && codes->size(1) == k / 4 && scales->scalar_type() == at::kFloat &&
-                    scales->numel() == w.blocks * kLanes,
-                name, ": int8 codes need float32 scales (blocks * 16,)");
+    TORCH_CHECK(codes->scalar_type() == at::kChar && codes->size(1) == k / 4, name, ": codes of dtype ",
+                codes->scalar_type(), " and shape ", codes->sizes(), " are neither int4 nor int8 codes");
+    const int64_t groups = int8_groups(*scales, w.blocks, k, name);
     w.int4 = false;
-    w.group = k;
+    w.group = groups ? k / groups : k;
     w.codes = reinterpret_cast<const uint8_t*>(codes->data_ptr<int8_t>());
-    w.lane_scales = scales->data_ptr<float>();
+    if (groups)
+      w.scales = scales->data_ptr<at::Half>();
+    else
+      w.lane_scales = scales->data_ptr<float>();
   }
   return w;
 }

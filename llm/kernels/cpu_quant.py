@@ -24,7 +24,8 @@ Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 grou
 - int4: codes ``(ceil(N / 16), K / 8, 16, 4)`` uint8 (two 4-bit codes a byte), scales and mins
   ``(ceil(N / 16), K / G, 16)`` float16, ``w = q * scale + min`` (GGUF Q4_1's convention).
 - int8: codes ``(ceil(N / 16), K / 4, 16, 4)`` int8, scales ``(16 * ceil(N / 16),)`` float32,
-  ``w = q * scale``.
+  ``w = q * scale``; or scales in groups of ``G`` inputs, ``(ceil(N / 16), K / G, 16)`` float16
+  (GGUF Q8_0's blocks, ``G = 32``, run as the file holds them).
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("llm::int8_embedding")
     def _(codes, scales, ids):
-        return scales.new_empty((*ids.shape, codes.shape[1] * 4))
+        return scales.new_empty((*ids.shape, codes.shape[1] * 4), dtype=torch.float32)
 
     @torch.library.register_fake("llm::rms_norm")
     def _(x, weight, eps):
@@ -229,8 +230,9 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def lane_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Per-row int8 ``scales`` (N,) as the kernel takes them: float32 (16 * ceil(N / 16),)."""
-    return _blocks(scales.float()).reshape(-1).contiguous()
+    """An int8 weight's ``scales`` as the kernel takes them: per row (N,) as float32
+    (16 * ceil(N / 16),); in groups of G inputs (N, K / G) as float16 (ceil(N / 16), K / G, 16)."""
+    return _group_lanes(scales) if scales.dim() == 2 else _blocks(scales.float()).reshape(-1).contiguous()
 
 
 def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -247,9 +249,10 @@ def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` (any shape, int64) of a packed int8 table times their float32 ``scales`` (rows,):
-    float32 (*ids.shape, K), the bits of ``gather_int8_rows(packed, ids).float() * scales[ids, None]``
-    in one call.
+    """Rows ``ids`` (any shape, int64) of a packed int8 table times their float32 ``scales``, one
+    per row (rows,) or per group of G inputs (rows, K / G): float32 (*ids.shape, K), the bits of
+    ``gather_int8_rows(packed, ids).float() * scales[ids, None]`` (groups: each scale repeated G
+    times) in one call.
 
     Raises:
         RuntimeError: an id outside the table, or another layout or dtype.
@@ -274,7 +277,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, min
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+    """``x @ w.T`` for a packed int8 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32;
+    ``scales`` per row or in groups, as :func:`lane_scales` gives them."""
     _require()
     return torch.ops.llm.int8_linear(x, packed, scales, n)
 

@@ -268,6 +268,35 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, fmul(acc[r], sv), width);
 }
 
+// 16 output rows for R tokens of int8 weights in groups of G inputs, an fp16 scale per row and
+// group (GGUF Q8_0's blocks: w = q * d, G = 32), applied per 32 inputs with the activations' scale.
+template <int R>
+void int8_group_block(const int8_t* w, const at::Half* d, int64_t K, int64_t G, const int8_t* xq, const float* xd,
+                      const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
+  const int64_t C = K / kGroup, KG = K / G;
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t g = 0; g < KG; ++g) {
+    const F dv = fhalf(d + g * kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + kAheadBytes / G), _MM_HINT_T1);
+    for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
+      I wv[8];
+      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T1);
+      for (int j = 0; j < 8; ++j) wv[j] = int8_weights(w + (c * 8 + j) * 64);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * K + c * kGroup;
+        I i0 = iset(-kInt8Bias * xqs[r * C + c]), i1 = izero();
+        for (int j = 0; j < 8; j += 2) {
+          i0 = dot_w8(i0, wv[j], broadcast4(xr + 4 * j));
+          i1 = dot_w8(i1, wv[j + 1], broadcast4(xr + 4 * j + 4));
+        }
+        acc[r] = ffma(itof(iadd(i0, i1)), fmul(dv, fset(xd[r * C + c])), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, acc[r], width);
+}
+
 // Block b of 16 output rows for the M tokens of a (quantized with w.group's sums), into out (row
 // r at out + r * ldo, the block's first column at out), in tiles of at most kTile tokens.
 inline void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float* out, int64_t ldo) {
@@ -279,6 +308,10 @@ inline void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b,
       if (w.int4)
         int4_block<kR>(w.codes + b * K * 8, w.scales + b * KG * kLanes, w.mins + b * KG * kLanes, K, w.group,
                        a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, ldo, out + r0 * ldo, width);
+      else if (w.scales)
+        int8_group_block<kR>(reinterpret_cast<const int8_t*>(w.codes) + b * K * kLanes, w.scales + b * KG * kLanes, K,
+                             w.group, a.q.data() + r0 * K, a.d.data() + r0 * C, a.qsum.data() + r0 * C, ldo,
+                             out + r0 * ldo, width);
       else
         int8_block<kR>(reinterpret_cast<const int8_t*>(w.codes) + b * K * kLanes, w.lane_scales + b * kLanes, K,
                        a.q.data() + r0 * K, a.d.data() + r0 * C, a.qsum.data() + r0 * C, ldo, out + r0 * ldo, width);

@@ -84,6 +84,15 @@ def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
     return codes.to(torch.uint8).reshape(out_features, in_features), scales, zeros
 
 
+def int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scales`` in ``dtype``: int8 codes (..., K) with scales per row (...) or per group of
+    ``G`` inputs (..., K / G), each repeated over its group."""
+    if scales.dim() == codes.dim():
+        groups = scales.shape[-1]
+        return (codes.to(dtype).unflatten(-1, (groups, -1)) * scales.to(dtype)[..., None]).flatten(-2)
+    return codes.to(dtype) * scales.to(dtype)[..., None]
+
+
 def _moves_device(fn, tensor: torch.Tensor) -> torch.device | None:
     """The device ``fn`` (an ``nn.Module._apply`` function) would move ``tensor`` to, if another."""
     device = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device)).device
@@ -151,17 +160,21 @@ class _Int8Codes(nn.Module):
 
 
 class Int8Linear(_Int8Codes):
-    """``nn.Linear`` with an int8 weight, one float scale per output feature.
+    """``nn.Linear`` with an int8 weight, one float scale per output feature, or one per group of
+    ``group_size`` inputs of each output feature (GGUF Q8_0's blocks: ``w = q * d`` per 32).
 
     With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
     :func:`llm.kernels.cpu_quant.int8_linear` (activations quantized to int8 per 32 inputs, integer
-    dot products), else torch's ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype``
-    (``kernel`` ``"torch"``).
+    dot products; group scales taken as float16, which Q8_0's are), else torch's
+    ``aten._weight_int8pack_mm`` on x cast to ``activation_dtype`` (``kernel`` ``"torch"``; torch
+    has no kernel for group scales: the weight is then dequantized to ``activation_dtype`` at
+    each call, a fallback for devices ours do not run on).
 
     Buffers: ``weight`` int8 codes ((out_features, in_features); in the ``"llm"`` kernel's blocked
-    layout, see :meth:`codes`), ``scales`` (out_features,) float, ``bias`` (out_features,) float or
-    None. The state dict holds the codes (out_features, in_features) whatever the kernel.
-    ``forward``: (..., in_features) -> (..., out_features) in x's dtype.
+    layout, see :meth:`codes`), ``scales`` (out_features,) or (out_features, in_features //
+    group_size) float, ``bias`` (out_features,) float or None. The state dict holds the codes
+    (out_features, in_features) whatever the kernel. ``forward``: (..., in_features) ->
+    (..., out_features) in x's dtype.
     """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
@@ -171,6 +184,7 @@ class Int8Linear(_Int8Codes):
         self.backend = backend
         self.out_features = scales.shape[0]
         self.in_features = in_features if packed else weight.shape[1]
+        self.group_size = self.in_features // scales.shape[1] if scales.dim() == 2 else None
         self.activation_dtype = activation_dtype
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
@@ -220,6 +234,9 @@ class Int8Linear(_Int8Codes):
         flat = x.reshape(-1, self.in_features)
         if self.packed:
             out = cpu_quant.int8_linear(flat, self.weight, self.kernel_scales, self.out_features)
+        elif self.group_size is not None:
+            dtype = self.kernel_scales.dtype
+            out = flat.to(dtype) @ int8_dequantize(self.weight, self.kernel_scales, dtype).t()
         else:
             out = int8_matmul(flat.to(self.kernel_scales.dtype), self.weight, self.kernel_scales)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -227,12 +244,14 @@ class Int8Linear(_Int8Codes):
 
     def extra_repr(self) -> str:
         activations = "int8 per 32" if self.packed else self._torch_dtype()
-        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}, "
+        groups = "" if self.group_size is None else f", group_size={self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}{groups}, kernel={self.kernel}, "
                 f"activations={activations}")
 
 
 class Int8Embedding(_Int8Codes):
-    """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry).
+    """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry), or one
+    per group of inputs of each row (``scales`` (num_embeddings, groups): GGUF Q8_0's blocks).
 
     Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
     (see :meth:`tied_head`): the codes are kept in the layout of the output layer's kernel and
@@ -271,7 +290,7 @@ class Int8Embedding(_Int8Codes):
         if self.packed and self.scales.dtype == torch.float32:
             return cpu_quant.int8_embedding(self.weight, self.scales, input_ids)
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
-        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+        return int8_dequantize(rows, self.scales[input_ids], self.scales.dtype)
 
 
 class Int4Linear(nn.Module):

@@ -108,9 +108,10 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
             each layer took.
         weights: where to read float weights from, by state-dict name (e.g. a file being loaded,
             so that the float model is never held whole); default: the model's own.
-        head: the output layer (the embedding, when tied) already quantized per row, as
-            ``(codes, scales)`` of :func:`~llm.quant.modules.int8_rows` (a loader that quantizes
-            it a block of rows at a time); default: quantized here from its float weight.
+        head: the output layer (the embedding, when tied) already quantized, as ``(codes,
+            scales)`` of :func:`~llm.quant.modules.int8_rows` (a loader that quantizes it a block
+            of rows at a time) or in groups (scales (rows, groups): a GGUF file's Q8_0 blocks);
+            default: quantized here per row from its float weight.
 
     Returns:
         The model, with ``model.quantization`` a :class:`~llm.quant.QuantizationReport` (also
@@ -160,7 +161,8 @@ def quantize(model: nn.Module, method: str, group_size: int = 32, activation_dty
 def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                   activation_dtype: torch.dtype, backend: str = "auto") -> str:
     """Make the output layer int8 per row from its float ``weight`` (vocab_size, d_model), or from
-    its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows`, the codes
+    its ``(codes, scales)`` already quantized by :func:`~llm.quant.modules.int8_rows` (or in groups,
+    scales (vocab_size, d_model // group_size), as a GGUF file's Q8_0 blocks), the codes
     either (vocab_size, d_model) or, where :func:`head_packs`, already in our kernel's layout
     (4-D, :func:`llm.kernels.cpu_quant.pack_int8`); with tied embeddings the token embedding
     becomes an :class:`Int8Embedding` and the output layer shares its storage. Returns the name of
@@ -209,8 +211,8 @@ def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource, backend: 
         raise ValueError(f"not a quantization description: {spec!r} ({err})") from err
     device = model.norm_f.weight.device
 
-    def tensor(name: str, dtype: torch.dtype | None, shape: tuple) -> torch.Tensor:
-        t = tensors(name)
+    def tensor(name: str, dtype: torch.dtype | None, shape: tuple, t: torch.Tensor | None = None) -> torch.Tensor:
+        t = tensors(name) if t is None else t
         if (dtype is not None and t.dtype != dtype) or tuple(t.shape) != shape:
             raise ValueError(f"{name}: expected {dtype or 'float'} {shape}, got {t.dtype} {tuple(t.shape)}")
         return t.to(device)
@@ -218,23 +220,33 @@ def quantize_like(model: nn.Module, spec: dict, tensors: TensorSource, backend: 
     def bias(name: str, linear: nn.Module) -> torch.Tensor | None:
         return None if getattr(linear, "bias", None) is None else tensor(name + ".bias", None, (linear.out_features,))
 
+    def int8_scales(name: str, n: int, k: int) -> torch.Tensor:
+        t = tensors(name)  # per row, or per group of a multiple of 32 inputs (a GGUF file's Q8_0 blocks)
+        if tuple(t.shape) != (n,) and not (t.dim() == 2 and t.shape[0] == n and 0 < t.shape[1] <= k // 32
+                                           and k % t.shape[1] == 0 and (k // t.shape[1]) % 32 == 0):
+            raise ValueError(f"{name}: expected float ({n},) or ({n}, groups) with groups of a multiple of 32 of "
+                             f"{k} inputs, got {t.dtype} {tuple(t.shape)}")
+        return t.to(device)
+
     for name in report.quantized:
         if name == EMBEDDING:
             vocab, dim = model.wte.num_embeddings, model.wte.embedding_dim
-            embedding = Int8Embedding(tensor("wte.weight", torch.int8, (vocab, dim)), tensor("wte.scales", None, (vocab,)),
+            embedding = Int8Embedding(tensor("wte.weight", torch.int8, (vocab, dim)), int8_scales("wte.scales", vocab, dim),
                                       backend)
             model.wte = embedding
             model.lm_head = embedding.tied_head(act)
             continue
         linear = model.get_submodule(name)
         n, k = linear.out_features, linear.in_features
-        if report.method == "int4" and name != HEAD:
+        codes = tensors(name + ".weight")
+        # by the codes' dtype: a GGUF file's int4 model has int8 layers where its tensors are Q8_0
+        if report.method == "int4" and name != HEAD and codes.dtype != torch.int8:
             sz = tensor(name + ".scales_and_zeros", None, (k // report.group_size, n, 2))
-            module = Int4Linear(tensor(name + ".weight", torch.uint8, (n, k)), sz[..., 0].t(), sz[..., 1].t(),
+            module = Int4Linear(tensor(name + ".weight", torch.uint8, (n, k), codes), sz[..., 0].t(), sz[..., 1].t(),
                                 bias(name, linear), report.group_size, act, backend)
         else:
-            module = Int8Linear(tensor(name + ".weight", torch.int8, (n, k)), tensor(name + ".scales", None, (n,)),
-                                bias(name, linear), act, backend=backend)
+            module = Int8Linear(tensor(name + ".weight", torch.int8, (n, k), codes),
+                                int8_scales(name + ".scales", n, k), bias(name, linear), act, backend=backend)
         _set(model, name, module)
     model.quantization = report
     return model

@@ -311,8 +311,9 @@ def write_gguf(path, model, types=None, arch="llama", extra=None):
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
-               "output.weight": sd["lm_head.weight"]}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not c.tie_word_embeddings:  # tied: no output.weight, as in SmolLM2's file
+        tensors["output.weight"] = sd["lm_head.weight"]
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         tensors.update({
@@ -367,6 +368,48 @@ def test_tiny_untied_gqa_model_of_mixed_tensor_types_equals_transformers(tmp_pat
     monkeypatch.setattr(gguf_module, "_unpermute", lambda weight, n_heads: weight)
     wrong = load_gguf(path, attn_impl="torch", quantization="none")(ids, attention_mask=mask).logits
     assert (real(mask, wrong) - real(mask, expected)).abs().max() > 0.1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_q8_0_file_runs_on_its_own_blocks_and_saves_as_a_bundle(tmp_path, tied):
+    from gguf import GGMLQuantizationType as Q
+
+    from llm.quant import Int8Embedding, Int8Linear
+    from llm.quant.modules import int8_dequantize
+
+    model = tiny_hf_llama()
+    names = ["token_embd.weight", *([] if tied else ["output.weight"])] + [
+        f"blk.{i}.{part}.weight" for i in range(2)
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    path = write_gguf(tmp_path / "q8.gguf", model, dict.fromkeys(names, Q.Q8_0))
+    ours = load_gguf(path, attn_impl="torch")
+    float_model = load_gguf(path, attn_impl="torch", quantization="none")
+    assert ours.quantization.source == "gguf" and ours.quantization.kept == {}
+    assert ours.config.tie_word_embeddings == tied
+    # every matrix holds the file's codes and scales: dequantized, the float model's weights bit for bit
+    expected = float_model.state_dict()
+    layers = {name: m for name, m in ours.named_modules() if isinstance(m, (Int8Linear, Int8Embedding))}
+    assert len(layers) == 2 * 5 + (2 if tied else 1)  # an untied embedding is float: a lookup reads one row
+    for name, module in layers.items():
+        assert module.scales.shape[1] == module.codes().shape[1] // 32, name
+        weight = expected.get(name + ".weight", expected["wte.weight"])  # a tied head is the embedding
+        assert torch.equal(int8_dequantize(module.codes(), module.scales, torch.float32), weight), name
+    ids = torch.tensor([[5, 17, 3, 90, 44, 8, 61, 12, 7], [33, 2, 71, 9, 40, 1, 2, 3, 4]])
+    logits = ours(ids).logits
+    ours.save_pretrained(tmp_path / "bundle")
+    assert torch.equal(MosaicGPT.from_pretrained(tmp_path / "bundle")(ids).logits, logits)
+    # torch's fallback (the weight dequantized at each call, bfloat16 activations) and ours (int8
+    # activations per 32 inputs) multiply by the same weights: a few percent on this random model
+    fallback = load_gguf(path, attn_impl="torch", backend="torch")
+    assert {m.kernel for m in fallback.modules() if isinstance(m, Int8Linear)} == {"torch"}
+    reference = float_model(ids).logits
+    scale = float(reference.abs().max())
+    for got in (fallback(ids).logits.float(), logits):
+        torch.testing.assert_close(got, reference, atol=0.05 * scale, rtol=0)
 
 
 def test_from_pretrained_finds_the_gguf_loader_whatever_was_imported(tmp_path):

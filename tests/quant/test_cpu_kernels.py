@@ -72,6 +72,31 @@ def test_int8_kernel_computes_its_stated_arithmetic(n, k):
         torch.testing.assert_close(out.double(), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("n,k,group_size", [(16, 32, 32), (61, 96, 32), (130, 576, 32), (33, 256, 64), (20, 512, 256)])
+def test_int8_kernel_in_groups_computes_its_stated_arithmetic(n, k, group_size):
+    # GGUF Q8_0's form: an fp16 scale per 32 inputs of a row, applied with the activations' scale
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // group_size, generator=g) * 0.01).half().float()
+    packed, kernel_scales = cpu_quant.pack_int8(codes), cpu_quant.lane_scales(scales)
+    assert kernel_scales.dtype == torch.float16 and kernel_scales.shape == (-(-n // 16), k // group_size, 16)
+    weight = (codes.double().view(n, -1, group_size) * scales.double()[..., None]).view(n, k)
+    for rows in (1, 3, 8, 19):
+        x = torch.randn(rows, k, generator=g) * 2
+        x[0, :32] = 0
+        out = cpu_quant.int8_linear(x, packed, kernel_scales, n)
+        reference = int8_activations(x).double() @ weight.t()
+        assert out.dtype == torch.float32 and out.shape == (rows, n)
+        torch.testing.assert_close(out.double(), reference, atol=1e-5 * float(reference.abs().max()), rtol=0)
+        # each row alone gives its bits in the batch
+        assert all(torch.equal(out[i], cpu_quant.int8_linear(x[i:i + 1], packed, kernel_scales, n)[0])
+                   for i in range(rows))
+    ids = torch.tensor([[0, n - 1], [n // 2, 1]])
+    assert torch.equal(cpu_quant.int8_embedding(packed, scales, ids), weight.float()[ids])
+    with pytest.raises(RuntimeError, match="float16 scales .* group_size a multiple of 32 dividing"):
+        cpu_quant.int8_linear(torch.randn(1, k), packed, kernel_scales[:, :1].repeat(1, 5, 1).contiguous(), n)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_each_row_is_computed_alone(method):
     # what makes a cached step equal the full forward: a row's result does not depend on the others

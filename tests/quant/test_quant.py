@@ -14,10 +14,10 @@ from gguf.quants import dequantize
 
 from llm import MosaicGPT
 from llm.kernels import cpu_quant
-from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf
+from llm.formats.gguf.reader import _float, _sources, gguf_config, int4_blocks, load_gguf, q8_0_blocks
 from llm.utils.gguf import read_gguf
 from llm.quant import Int4Linear, Int8Linear, quantize
-from llm.quant.modules import int4_groups
+from llm.quant.modules import int4_groups, int8_dequantize
 from llm.quant.quantize import default_activation_dtype
 from llm.utils.pretrained import pretrained_path
 from tests.conftest import tiny_model
@@ -116,6 +116,36 @@ def test_gguf_native_model_keeps_the_files_projections():
         reference_logits = load_gguf(GGUF)(ids).logits
     # the same next tokens as the dequantized float32 model on this text
     assert torch.equal(ours.argmax(-1)[0, 3:], reference_logits.argmax(-1)[0, 3:])
+
+
+def fake_q8_0(rows: int, cols: int, seed: int = 0):
+    """A Q8_0 tensor as the gguf reader gives one: per block of 32, an fp16 scale and 32 int8 codes."""
+    rng = np.random.default_rng(seed)
+    d = (rng.random((rows, cols // 32)) * 0.01).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, cols // 32, 2),
+                             rng.integers(-128, 128, (rows, cols // 32, 32), dtype=np.int8).view(np.uint8)], axis=-1)
+    return SimpleNamespace(tensor_type=GGMLQuantizationType.Q8_0, data=blocks.reshape(rows, -1),
+                           shape=np.array([cols, rows]))
+
+
+@pytest.mark.parametrize("kernel", ["llm", "torch"])
+def test_q8_0_blocks_map_onto_int8_groups_without_requantizing(kernel):
+    if kernel == "llm" and cpu_quant.unavailable():
+        pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
+    tensor = fake_q8_0(80, 96)
+    codes, scales = q8_0_blocks(tensor)
+    reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(80, 96).astype(np.float32))
+    # the file's codes and scales: gguf's own dequantization, bit for bit
+    assert codes.dtype == torch.int8 and scales.shape == (80, 3)
+    assert torch.equal(int8_dequantize(codes, scales, torch.float32), reference)
+    assert all(torch.equal(a, b) for a, b in zip(q8_0_blocks(tensor, slice(16, 48)), (codes[16:48], scales[16:48])))
+    module = Int8Linear(codes, scales, None, torch.float32, backend=kernel)
+    assert module.kernel == kernel and module.group_size == 32 and torch.equal(module.codes(), codes)
+    tolerance = 1e-6 * float(reference.abs().max()) if kernel == "llm" else 0  # float32 products on torch's side
+    torch.testing.assert_close(kernel_weight(module), reference, atol=tolerance, rtol=0)
+    x = torch.randn(3, 96)
+    expected = (int8_activations(x) if kernel == "llm" else x) @ reference.t()
+    torch.testing.assert_close(module(x), expected, atol=1e-5 * float(expected.abs().max()), rtol=0)
 
 
 @pytest.mark.parametrize("kernel", ["llm", "torch"])

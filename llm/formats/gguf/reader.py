@@ -239,21 +239,27 @@ def _float(parts, path) -> torch.Tensor:
 
 
 def _int8_rows(parts, reader, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """An output layer or embedding quantized to int8 per row (:func:`llm.quant.modules.int8_rows`)
-    from its GGUF tensor, dequantized a block of rows at a time, each block's file pages given back
-    once read: a float32 copy of a whole vocabulary-sized table, or the table's file pages beside
-    its codes, would be most of a 4-bit model's peak memory. With ``pack`` the codes come in our
-    int8 kernel's layout (:func:`llm.kernels.cpu_quant.pack_int8`), packed block by block rather
-    than as a second copy of the table."""
+    """An output layer or embedding as int8 codes and scales from its GGUF tensor: a Q8_0 tensor's
+    own codes and scales per 32 (:func:`q8_0_blocks`, scales (rows, cols // 32)), any other type
+    quantized per row (:func:`llm.quant.modules.int8_rows`, scales (rows,)). A block of rows at a
+    time, each block's file pages given back once read: a float32 copy of a whole vocabulary-sized
+    table, or the table's file pages beside its codes, would be most of a 4-bit model's peak
+    memory. With ``pack`` the codes come in our int8 kernel's layout
+    (:func:`llm.kernels.cpu_quant.pack_int8`), packed block by block rather than as a second copy
+    of the table."""
     (tensor, _), = parts  # one source, never permuted (only query and key rows are)
     rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])
     row_bytes = int(tensor.n_bytes) // rows
+    native = tensor.tensor_type.name == "Q8_0"  # kept as the file's groups of 32
     codes = (torch.empty(-(-rows // cpu_quant.LANES), cols // 4, cpu_quant.LANES, 4, dtype=torch.int8) if pack
              else torch.empty(rows, cols, dtype=torch.int8))
-    scales = torch.empty(rows, dtype=torch.float32)
+    scales = torch.empty((rows, cols // 32) if native else rows, dtype=torch.float32)
     for start in range(0, rows, _HEAD_ROWS):
         block = slice(start, start + _HEAD_ROWS)
-        block_codes, scales[block] = int8_rows(_dequantize(tensor, reader.path, block))
+        if native:
+            block_codes, scales[block] = q8_0_blocks(tensor, block)
+        else:
+            block_codes, scales[block] = int8_rows(_dequantize(tensor, reader.path, block))
         if pack:  # _HEAD_ROWS is a multiple of the kernel's 16 rows: each block fills whole lanes
             packed = cpu_quant.pack_int8(block_codes)
             codes[start // cpu_quant.LANES:start // cpu_quant.LANES + len(packed)] = packed
@@ -304,6 +310,38 @@ def int4_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     else:
         zeros = torch.zeros_like(d)
     return codes, d, zeros
+
+
+#: Bytes per block of 32 Q8_0 weights: fp16 d, 32 int8 codes.
+_Q8_0_BLOCK = 34
+
+
+def q8_0_blocks(tensor, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's own codes (its ``rows``, default all), as int8 groups of 32.
+
+    A block of 32 weights holds an fp16 scale ``d`` and 32 int8 codes ``q``, ``w = q d``
+    (ggml-quants.c ``dequantize_row_q8_0``); :class:`~llm.quant.Int8Linear` in groups of 32 computes
+    the same. The codes and scales are the file's own; nothing is requantized.
+
+    Returns:
+        (codes int8 (rows, cols), scales float32 (rows, cols // 32), each an fp16 value).
+    """
+    n = int(tensor.shape[1:].prod()) if len(tensor.shape) > 1 else 1
+    data = np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1)
+    blocks = torch.from_numpy(np.array(data if rows is None else data[rows], copy=True))
+    blocks = blocks.view(len(blocks), -1, _Q8_0_BLOCK)
+    scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    return blocks[..., 2:].contiguous().view(torch.int8).reshape(len(blocks), -1), scales
+
+
+def _native_int8(parts) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The int8 groups of a tensor all of whose sources are Q8_0, rows unpermuted; else None."""
+    if any(t.tensor_type.name != "Q8_0" for t, _ in parts):
+        return None
+    pieces = []
+    for t, heads in parts:
+        pieces.append([_unpermute(b, heads) if heads else b for b in q8_0_blocks(t)])
+    return tuple(torch.cat(column) for column in zip(*pieces))
 
 
 def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -361,11 +399,11 @@ def load_gguf(
             :func:`llm.quant.quantize` (the float model is never whole in memory);
             ``"gguf"``: the file's own quantization where the kernels take it: Q4_0 / Q4_1
             projections become int4 groups of 32 with the file's codes (:func:`int4_blocks`),
-            their fp16 scales rounded to the kernels' activation dtype (bfloat16 on fast CPUs);
-            projections of other types (Q8_0, K-quants, F16) are dequantized and quantized:
+            Q8_0 ones int8 groups of 32 with the file's codes and scales (:func:`q8_0_blocks`);
+            projections of other types (K-quants, F16, ...) are dequantized and quantized:
             8-bit and wider to int8 per row, the rest to int4 groups of 32. The output layer
-            (and a tied embedding) is int8 per row in every mode (a Q8_0 embedding requantized
-            per row: one scale per vocabulary entry instead of one per 32 weights).
+            (and a tied embedding) is the file's int8 groups where it is Q8_0, else int8 per row
+            (in every mode: ``"int8"`` and ``"int4"`` too).
         group_size: int4 group size for ``quantization="int4"``.
         backend: whose kernels the quantized layers take (see :func:`llm.quant.quantize`).
 
@@ -408,9 +446,11 @@ def load_gguf(
     for name in projections(model):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
-        native = _native_int4(parts, reader.path)
+        native, native8 = _native_int4(parts, reader.path), _native_int8(parts)
         if native is not None:
             module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act, backend)
+        elif native8 is not None:
+            module = Int8Linear(*(b.to(model.device) for b in native8), linear.bias, act, backend=backend)
         else:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
