@@ -8,7 +8,7 @@ from streaming.base import dataset as streaming_dataset
 from streaming.base.shared import prefix as streaming_prefix
 
 from llm import MosaicGPT, MosaicGPTConfig
-from llm.quant import Int8Linear, quantize
+from llm.quant import Int4Linear, Int8Linear, quantize
 from llm.quant.quantize import projections
 from llm.utils.home import use_inductor_cache
 
@@ -73,7 +73,7 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
     quantized by ``llm.quant.quantize`` when ``quantization`` is "int8" or "int4", with
     ``kernels`` as its ``backend``: ``"auto"`` (ours where they run), ``"torch"`` or ``"llm"``;
     "q8_0": "int8" with the projections in groups of 32 with float16 scales (GGUF Q8_0's blocks,
-    as a Q8_0 file loads).
+    as a Q8_0 file loads); "q4_0": "int4" with symmetric groups of 32 (Q4_0's ``(q - 8) d``).
 
     On our kernels a Llama model's forwards are bit-identical whatever the cache, chunking or
     batch (tests/quant/test_invariance.py); the other schemes run their attention through torch's
@@ -87,17 +87,21 @@ def tiny_model(scheme: str = "learned", attn_impl: str = "torch", seed: int = 0,
     model = MosaicGPT(MosaicGPTConfig(**options)).eval()
     if quantization is None:
         return model
-    if quantization != "q8_0":
+    if quantization not in ("q8_0", "q4_0"):
         return quantize(model, quantization, backend=kernels)
     weights = {name: model.get_submodule(name).weight.detach().clone() for name in projections(model)}
-    quantize(model, "int8", backend=kernels)
-    for name, weight in weights.items():  # llama.cpp's quantize_row_q8_0: d = max |w| / 127 per 32
+    quantize(model, "int8" if quantization == "q8_0" else "int4", backend=kernels)
+    for name, weight in weights.items():  # llama.cpp's quantize_row_q8_0 / q4_0: d = max |w| / 127 or 8 per 32
         layer, groups = model.get_submodule(name), weight.view(weight.shape[0], -1, 32)
-        scales = (groups.abs().amax(-1) / 127).half().float()
-        codes = torch.round(groups / torch.where(scales == 0, 1, scales)[..., None]).to(torch.int8).view(weight.shape)
+        scales = (groups.abs().amax(-1) / (127 if quantization == "q8_0" else 8)).half().float()
+        codes = torch.round(groups / torch.where(scales == 0, 1, scales)[..., None]).view(weight.shape)
+        if quantization == "q8_0":
+            module = Int8Linear(codes.to(torch.int8), scales, layer.bias, layer.activation_dtype, backend=kernels)
+        else:
+            module = Int4Linear((codes + 8).clamp(0, 15).to(torch.uint8), scales, torch.zeros_like(scales), layer.bias,
+                                32, layer.activation_dtype, kernels)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child,
-                Int8Linear(codes, scales, layer.bias, layer.activation_dtype, backend=kernels))
+        setattr(model.get_submodule(parent), child, module)
     return model
 
 

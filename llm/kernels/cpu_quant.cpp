@@ -14,7 +14,8 @@
 // Layouts (made by llm/kernels/cpu_quant.py; NB = ceil(N / 16) blocks of 16 output rows, padded):
 //   int4 codes  (NB, K / 8, 16, 4) uint8: for block b, inputs 8t..8t+7 of row 16b+i: byte j holds
 //               q[8t + j] in its low nibble and q[8t + 4 + j] in its high nibble.
-//   int4 scales, mins (NB, K / G, 16) fp16: w = q * scale + min (GGUF Q4_1's convention).
+//   int4 scales, mins (NB, K / G, 16) fp16: w = q * scale + min (GGUF Q4_1's convention); without
+//               mins, symmetric codes: min = -8 * scale (GGUF Q4_0's w = (q - 8) d).
 //   int8 codes  (NB, K / 4, 16, 4) int8: bytes j of row 16b+i at (b, t, i, j) = q[4t + j].
 //   int8 scales (NB * 16,) float32: w = q * scale; or, in groups of G inputs (GGUF Q8_0's blocks),
 //               (NB, K / G, 16) fp16: w = q * scale of its group.
@@ -244,7 +245,7 @@ int64_t int8_groups(const at::Tensor& scales, int64_t blocks, int64_t K, const c
 }
 
 at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                           const at::Tensor& mins, int64_t group_size, int64_t n) {
+                           const c10::optional<at::Tensor>& mins, int64_t group_size, int64_t n) {
   const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0;
   check(x_in, codes, n, K * 8);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -252,17 +253,18 @@ at::Tensor int4_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
   TORCH_CHECK(group_size > 0 && group_size % kGroup == 0 && K % group_size == 0, "group_size ", group_size,
               " must be a multiple of 32 that divides in_features ", K);
   const int64_t KG = K / group_size;
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  mins.scalar_type() == at::kHalf && scales.numel() == codes.size(0) * KG * kLanes &&
-                  mins.numel() == scales.numel(),
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == codes.size(0) * KG * kLanes &&
+                  (!mins.has_value() || (mins->is_contiguous() && mins->scalar_type() == at::kHalf &&
+                                         mins->numel() == scales.numel())),
               "scales and mins must be contiguous float16 (", codes.size(0), ", ", KG, ", 16) for group_size ",
-              group_size, ", got ", scales.sizes(), " and ", mins.sizes());
+              group_size, ", got ", scales.sizes(), " and ", mins.has_value() ? mins->sizes() : at::IntArrayRef{});
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   QWeight w;
   w.codes = codes.data_ptr<uint8_t>();
   w.scales = scales.data_ptr<at::Half>();
-  w.mins = mins.data_ptr<at::Half>();
+  w.mins = mins.has_value() ? mins->data_ptr<at::Half>() : nullptr;
   w.n = n, w.k = K, w.group = group_size, w.blocks = codes.size(0);
   project(w, x.data_ptr<float>(), M, out.data_ptr<float>());
   return out;
@@ -354,17 +356,19 @@ QWeight qweight(const c10::List<c10::optional<at::Tensor>>& weights, int64_t i, 
                   codes->size(3) == 4 && scales->is_contiguous(),
               name, ": codes of shape ", codes->sizes(), " do not match ", n, " outputs of ", k, " inputs");
   if (codes->scalar_type() == at::kByte) {
-    TORCH_CHECK(codes->size(1) == k / 8 && mins.has_value() && mins->is_contiguous() &&
-                    scales->scalar_type() == at::kHalf && mins->scalar_type() == at::kHalf &&
-                    mins->numel() == scales->numel() && scales->numel() % (w.blocks * kLanes) == 0,
-                name, ": int4 codes need float16 scales and mins (blocks, K / group_size, 16)");
+    TORCH_CHECK(codes->size(1) == k / 8 && scales->scalar_type() == at::kHalf &&
+                    (!mins.has_value() || (mins->is_contiguous() && mins->scalar_type() == at::kHalf &&
+                                           mins->numel() == scales->numel())) &&
+                    scales->numel() % (w.blocks * kLanes) == 0,
+                name, ": int4 codes need float16 scales and mins, or scales alone (symmetric codes), "
+                "(blocks, K / group_size, 16)");
     const int64_t groups = scales->numel() / (w.blocks * kLanes);
     TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kGroup == 0, name, ": ", groups,
                 " groups do not divide ", k, " inputs into multiples of 32");
     w.group = k / groups;
     w.codes = codes->data_ptr<uint8_t>();
     w.scales = scales->data_ptr<at::Half>();
-    w.mins = mins->data_ptr<at::Half>();
+    w.mins = mins.has_value() ? mins->data_ptr<at::Half>() : nullptr;
   } else {
     TORCH_CHECK(codes->scalar_type() == at::kChar && codes->size(1) == k / 4, name, ": codes of dtype ",
                 codes->scalar_type(), " and shape ", codes->sizes(), " are neither int4 nor int8 codes");
@@ -536,7 +540,7 @@ TORCH_LIBRARY(llm, m) {
   m.def("parallel_threads(int tasks) -> int", &parallel_threads);
   m.def("pace_state() -> int[]", &pace_state);
   m.def("set_pace(int solo, int stretch) -> ()", &set_pace);
-  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size, int n) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int group_size, int n) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");

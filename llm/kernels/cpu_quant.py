@@ -22,7 +22,8 @@ Which layers use them is the model's choice, made when it is quantized (``backen
 Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 group size):
 
 - int4: codes ``(ceil(N / 16), K / 8, 16, 4)`` uint8 (two 4-bit codes a byte), scales and mins
-  ``(ceil(N / 16), K / G, 16)`` float16, ``w = q * scale + min`` (GGUF Q4_1's convention).
+  ``(ceil(N / 16), K / G, 16)`` float16, ``w = q * scale + min`` (GGUF Q4_1's convention); or
+  scales alone for symmetric codes, ``min = -8 * scale`` (GGUF Q4_0's ``w = (q - 8) d``).
 - int8: codes ``(ceil(N / 16), K / 4, 16, 4)`` int8, scales ``(16 * ceil(N / 16),)`` float32,
   ``w = q * scale``; or scales in groups of ``G`` inputs, ``(ceil(N / 16), K / G, 16)`` float16
   (GGUF Q8_0's blocks, ``G = 32``, run as the file holds them).
@@ -198,21 +199,25 @@ def _blocks(rows: torch.Tensor) -> torch.Tensor:
     return rows.reshape(-1, LANES, *rows.shape[1:])
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor,
+              mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The int4 layout of the module docstring from codes (N, K) in [0, 15] and per-group
-    ``scales``, ``mins`` (N, K / G) of any float dtype (rounded to float16)."""
+    ``scales``, ``mins`` (N, K / G) of any float dtype (rounded to float16); ``mins`` None for
+    symmetric codes (``min = -8 * scale``, GGUF Q4_0's), which the kernel then does not read."""
     k = codes.shape[1]
     q = _blocks(codes.to(torch.uint8)).view(-1, LANES, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
     packed = (q[..., 0, :] | (q[..., 1, :] << 4)).contiguous()
-    return packed, _group_lanes(scales), _group_lanes(mins)
+    return packed, _group_lanes(scales), None if mins is None else _group_lanes(mins)
 
 
 def _group_lanes(values: torch.Tensor) -> torch.Tensor:
     return _blocks(values.to(torch.float16)).transpose(1, 2).contiguous()
 
 
-def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_int4`: codes uint8 (n, K), scales and mins float16 (n, K / G)."""
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4`: codes uint8 (n, K), scales and mins float16 (n, K / G)
+    (``-8 * scales`` for symmetric codes, ``mins`` None)."""
     blocks, steps = packed.shape[:2]
     q = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # (blocks, K / 8, 16, 2, 4)
     codes = q.permute(0, 2, 1, 3, 4).reshape(blocks * LANES, steps * 8)[:n]
@@ -220,7 +225,7 @@ def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(blocks * LANES, -1)[:n]
 
-    return codes, rows(scales), rows(mins)
+    return codes, rows(scales), rows(-8 * scales if mins is None else mins)
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
@@ -269,9 +274,10 @@ def _require() -> None:
             raise RuntimeError(f"llm's CPU kernels cannot run here: {why}")
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-                n: int) -> torch.Tensor:
-    """``x @ w.T`` for a packed int4 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32."""
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                group_size: int, n: int) -> torch.Tensor:
+    """``x @ w.T`` for a packed int4 weight: x (rows, K) float32 or bfloat16 -> (rows, n) float32
+    (``mins`` None: symmetric codes, see :func:`pack_int4`)."""
     _require()
     return torch.ops.llm.int4_linear(x, packed, scales, mins, group_size, n)
 

@@ -220,10 +220,12 @@ void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t 
   F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < KG; ++g) {
-    const F dv16 = fmul(fhalf(d + g * kLanes), sixteenth), mv = fhalf(m + g * kLanes);
+    const F dv = fhalf(d + g * kLanes), dv16 = fmul(dv, sixteenth);
+    // no mins: symmetric codes (GGUF Q4_0), min = -8 d (exact, as an fp16 min would hold it)
+    const F mv = m ? fhalf(m + g * kLanes) : fmul(dv, fset(-8.f));
     // scales and mins as far ahead as the codes: 2 bytes a row per group against G / 2
     _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(m + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T1);
+    if (m) _mm_prefetch(reinterpret_cast<const char*>(m + g * kLanes + 2 * kAheadBytes / G), _MM_HINT_T1);
     for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 256 + kAheadBytes + j * 64), _MM_HINT_T1);
       I lo[4], hi[4];
@@ -306,7 +308,7 @@ inline void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b,
     auto run = [&](auto R) {
       constexpr int kR = decltype(R)::value;
       if (w.int4)
-        int4_block<kR>(w.codes + b * K * 8, w.scales + b * KG * kLanes, w.mins + b * KG * kLanes, K, w.group,
+        int4_block<kR>(w.codes + b * K * 8, w.scales + b * KG * kLanes, w.mins ? w.mins + b * KG * kLanes : nullptr, K, w.group,
                        a.q.data() + r0 * K, a.d.data() + r0 * C, a.sum.data() + r0 * KG, ldo, out + r0 * ldo, width);
       else if (w.scales)
         int8_group_block<kR>(reinterpret_cast<const int8_t*>(w.codes) + b * K * kLanes, w.scales + b * KG * kLanes, K,

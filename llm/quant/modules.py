@@ -300,7 +300,7 @@ class Int4Linear(nn.Module):
     With our kernels (``kernel`` ``"llm"``, see ``backend`` in the module docstring) the product is
     :func:`llm.kernels.cpu_quant.int4_linear` (float16 scales and mins ``zero - 8 * scale``, which
     hold a GGUF Q4_1 or Q4_0 block's own d and m exactly; activations quantized to int8 per 32
-    inputs). Elsewhere it is torch's
+    inputs; without mins where every zero is 0, as in a Q4_0 block). Elsewhere it is torch's
     ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``; ``kernel`` ``"torch"``)
     with ``scales_and_zeros`` (in_features // group_size, out_features, 2) in ``activation_dtype``,
     x cast to it and the output back.
@@ -329,7 +329,9 @@ class Int4Linear(nn.Module):
         if _our_kernel(self.backend, device, self.out_features, self.in_features, self.group_size):
             self.kernel = "llm"
             scales, zeros = scales.float(), zeros.float()
-            packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, zeros - 8 * scales)
+            # zeros all 0 (GGUF Q4_0's symmetric blocks): no mins to store or read, min = -8 scale
+            mins = None if not zeros.any() else zeros - 8 * scales
+            packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, mins)
             self.register_buffer("weight", packed)
             self.register_buffer("kernel_scales", kernel_scales, persistent=False)
             self.register_buffer("kernel_mins", mins, persistent=False)
@@ -418,7 +420,8 @@ class Int4Linear(nn.Module):
         # a cast of the model (to float32, say) must not move the kernel off its own dtypes
         if self.kernel == "llm":
             self.kernel_scales = self.kernel_scales.to(torch.float16)
-            self.kernel_mins = self.kernel_mins.to(torch.float16)
+            if self.kernel_mins is not None:
+                self.kernel_mins = self.kernel_mins.to(torch.float16)
         else:
             self.scales_and_zeros = self.scales_and_zeros.to(self._activation_dtype)
         cpu_quant.changed()

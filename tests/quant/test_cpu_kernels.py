@@ -56,6 +56,20 @@ def test_int4_kernel_computes_its_stated_arithmetic(n, k, group_size):
                                                                                                 group_size, n))
 
 
+def test_int4_without_mins_is_minus_eight_scales_to_the_bit():
+    # GGUF Q4_0's symmetric blocks: no mins stored or read, the products of stored mins -8 d
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (50, 96), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(50, 3, generator=g) * 0.02).half()
+    symmetric, explicit = cpu_quant.pack_int4(codes, scales, None), cpu_quant.pack_int4(codes, scales, -8 * scales)
+    assert symmetric[2] is None
+    assert all(torch.equal(a, b) for a, b in zip(cpu_quant.unpack_int4(*symmetric, 50), (codes, scales, -8 * scales)))
+    x = torch.randn(11, 96, generator=g)
+    assert torch.equal(cpu_quant.int4_linear(x, *symmetric, 32, 50), cpu_quant.int4_linear(x, *explicit, 32, 50))
+    layer = Int4Linear(codes, scales.float(), torch.zeros(50, 3), None, 32, torch.bfloat16, "llm")
+    assert layer.kernel_mins is None and torch.equal(layer(x), cpu_quant.int4_linear(x, *explicit, 32, 50))
+
+
 @pytest.mark.parametrize("n,k", [(16, 32), (61, 96), (130, 576)])
 def test_int8_kernel_computes_its_stated_arithmetic(n, k):
     g = torch.Generator().manual_seed(k)

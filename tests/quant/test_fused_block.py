@@ -55,7 +55,7 @@ def run_block(block, x, cache, kwargs, fused: bool):
         block.fused_decode = True
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8", "q8_0"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "q8_0", "q4_0"])
 @pytest.mark.parametrize("batch,seq,kv_n_heads", [(1, 1, 2), (2, 1, 1), (2, 3, 4), (3, 8, 2)])
 def test_the_fused_block_is_its_layers_one_by_one(quantization, batch, seq, kv_n_heads, monkeypatch):
     model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, quantization=quantization, kernels="llm")
@@ -78,7 +78,7 @@ def test_the_fused_block_is_its_layers_one_by_one(quantization, batch, seq, kv_n
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("quantization", ["int4", "int8", "q8_0"])
+@pytest.mark.parametrize("quantization", ["int4", "int8", "q8_0", "q4_0"])
 def test_decoding_through_the_fused_blocks_follows_the_uncached_forward(quantization):
     model = tiny_model("llama", d_model=64, quantization=quantization, kernels="llm", init_std=0.02)
     ids = torch.randint(0, 61, (2, 9))

@@ -2,8 +2,8 @@
 the bit: not on how many tokens share the call (prefill, one-token step, a speculative chunk), on
 the batch's other rows, their padding or masked columns among a row's keys, on the cache (none,
 dynamic, static) or on the threads. Checked as properties over random models (grouped heads; int4,
-int8 per row and int8 in Q8_0's groups), prompts, chunkings and batch mixes, against the uncached
-forward of each row alone."""
+int8 per row, int8 in Q8_0's groups and Q4_0's symmetric int4), prompts, chunkings and batch mixes,
+against the uncached forward of each row alone."""
 
 import pytest
 import torch
@@ -29,7 +29,7 @@ def model_for(quantization: str, kv_n_heads: int):
     return _MODELS[key]
 
 
-models = st.tuples(st.sampled_from(["int4", "int8", "q8_0"]), st.sampled_from([1, 2, 4]))
+models = st.tuples(st.sampled_from(["int4", "int8", "q8_0", "q4_0"]), st.sampled_from([1, 2, 4]))
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
