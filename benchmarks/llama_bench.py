@@ -85,8 +85,13 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 
 def step_bytes(model: MosaicGPT) -> int:
     """Bytes of the model's weights (parameters and buffers, each storage once): what a decode
-    step reads, all of it, but for the embedding's other rows (a tied output layer reads them)."""
+    step reads, all of it, but for the embedding's other rows (a tied output layer reads them)
+    and the float ``scales`` a layer on our kernels keeps beside the ``kernel_scales`` they read."""
     seen, total = set(), 0
+    for module in model.modules():
+        scales = getattr(module, "scales", None)
+        if getattr(module, "kernel", None) == "llm" and hasattr(module, "kernel_scales") and scales is not None:
+            seen.add(scales.untyped_storage().data_ptr())
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:

@@ -464,6 +464,7 @@ def load_gguf(
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
         _release(reader, parts)
+        release_freed_memory()
     quantize_head(model, _int8_rows(sources[head + ".weight"], reader, head_packs(model, backend)), act, backend)
     _release(reader, sources[head + ".weight"])
     report.quantized.append(head)
