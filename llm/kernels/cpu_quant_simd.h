@@ -245,26 +245,35 @@ void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t 
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, acc[r], width);
 }
 
-// 16 output rows for R tokens of int8 weights.
+// The int32 dot products of chunk c (32 inputs) of 16 rows of int8 weights with R tokens' codes.
+template <int R>
+inline void int8_dots(const int8_t* w, int64_t c, int64_t K, const int8_t* xq, const int32_t* xqs, I* dots) {
+  const int64_t C = K / kGroup;
+  I wv[8];
+  for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T1);
+  for (int j = 0; j < 8; ++j) wv[j] = int8_weights(w + (c * 8 + j) * 64);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xr = xq + r * K + c * kGroup;
+    I i0 = iset(-kInt8Bias * xqs[r * C + c]), i1 = izero();
+    for (int j = 0; j < 8; j += 2) {
+      i0 = dot_w8(i0, wv[j], broadcast4(xr + 4 * j));
+      i1 = dot_w8(i1, wv[j + 1], broadcast4(xr + 4 * j + 4));
+    }
+    dots[r] = iadd(i0, i1);
+  }
+}
+
+// 16 output rows for R tokens of int8 weights, a float scale per row.
 template <int R>
 void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq, const float* xd,
                 const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
   const int64_t C = K / kGroup;
   F acc[R];
+  I dots[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t c = 0; c < C; ++c) {
-    I wv[8];
-    for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T1);
-    for (int j = 0; j < 8; ++j) wv[j] = int8_weights(w + (c * 8 + j) * 64);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = xq + r * K + c * kGroup;
-      I i0 = iset(-kInt8Bias * xqs[r * C + c]), i1 = izero();
-      for (int j = 0; j < 8; j += 2) {
-        i0 = dot_w8(i0, wv[j], broadcast4(xr + 4 * j));
-        i1 = dot_w8(i1, wv[j + 1], broadcast4(xr + 4 * j + 4));
-      }
-      acc[r] = ffma(itof(iadd(i0, i1)), fset(xd[r * C + c]), acc[r]);
-    }
+    int8_dots<R>(w, c, K, xq, xqs, dots);
+    for (int r = 0; r < R; ++r) acc[r] = ffma(itof(dots[r]), fset(xd[r * C + c]), acc[r]);
   }
   const F sv = fload(scale);
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, fmul(acc[r], sv), width);
@@ -277,23 +286,14 @@ void int8_group_block(const int8_t* w, const at::Half* d, int64_t K, int64_t G, 
                       const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
   const int64_t C = K / kGroup, KG = K / G;
   F acc[R];
+  I dots[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t g = 0; g < KG; ++g) {
     const F dv = fhalf(d + g * kLanes);
     _mm_prefetch(reinterpret_cast<const char*>(d + g * kLanes + kAheadBytes / G), _MM_HINT_T1);
     for (int64_t c = g * G / kGroup; c < (g + 1) * G / kGroup; ++c) {
-      I wv[8];
-      for (int j = 0; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + c * 512 + kAheadBytes + j * 64), _MM_HINT_T1);
-      for (int j = 0; j < 8; ++j) wv[j] = int8_weights(w + (c * 8 + j) * 64);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + r * K + c * kGroup;
-        I i0 = iset(-kInt8Bias * xqs[r * C + c]), i1 = izero();
-        for (int j = 0; j < 8; j += 2) {
-          i0 = dot_w8(i0, wv[j], broadcast4(xr + 4 * j));
-          i1 = dot_w8(i1, wv[j + 1], broadcast4(xr + 4 * j + 4));
-        }
-        acc[r] = ffma(itof(iadd(i0, i1)), fmul(dv, fset(xd[r * C + c])), acc[r]);
-      }
+      int8_dots<R>(w, c, K, xq, xqs, dots);
+      for (int r = 0; r < R; ++r) acc[r] = ffma(itof(dots[r]), fmul(dv, fset(xd[r * C + c])), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, acc[r], width);
