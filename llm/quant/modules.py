@@ -288,7 +288,7 @@ class Int8Embedding(_Int8Codes):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed and self.scales.dtype == torch.float32:
-            return cpu_quant.int8_embedding(self.weight, self.scales, input_ids)
+            return cpu_quant.int8_embedding(self.weight, self.scales, input_ids.long())  # int32 ids too, as nn.Embedding
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
         return int8_dequantize(rows, self.scales[input_ids], self.scales.dtype)
 

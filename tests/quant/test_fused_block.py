@@ -309,5 +309,6 @@ def test_the_int8_embedding_op_gives_the_rows_times_their_scales():
     assert table.packed
     ids = torch.randint(0, 50, (3, 5))
     assert torch.equal(table(ids), table.codes()[ids].float() * table.scales[ids].unsqueeze(-1))
+    assert torch.equal(table(ids.int()), table(ids))  # int32 ids, as nn.Embedding takes them
     with pytest.raises(RuntimeError, match="id 50 is outside the table's 50 rows"):
         table(torch.tensor([50]))
