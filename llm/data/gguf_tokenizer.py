@@ -1,10 +1,11 @@
 """The tokenizer stored in a GGUF file (llama.cpp's ``tokenizer.ggml.*`` metadata), rebuilt as a
-transformers ``PreTrainedTokenizerFast`` (:func:`gguf_tokenizer`)."""
+:class:`~llm.data.text_tokenizer.TextTokenizer` (:func:`gguf_tokenizer`), without transformers."""
 
 from __future__ import annotations
 
 import os
 
+from llm.data.text_tokenizer import TextTokenizer
 from llm.utils.gguf import field as _field
 from llm.utils.gguf import read_gguf
 from llm.utils.memory import release_freed_memory
@@ -24,7 +25,9 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer stored in a GGUF file, as a transformers ``PreTrainedTokenizerFast``.
+    """The tokenizer stored in a GGUF file, as a :class:`~llm.data.text_tokenizer.TextTokenizer`
+    (transformers' ``PreTrainedTokenizerFast`` interface for inference, without importing
+    transformers; ``to_transformers()`` converts it).
 
     It pads on the left and carries the vocabulary, merges, special tokens (bos / eos / unk / pad
     from ``tokenizer.ggml.*_token_id``), whether to prepend BOS / append EOS
@@ -37,8 +40,6 @@ def gguf_tokenizer(path: str | os.PathLike):
         FileNotFoundError / ValueError: as :func:`read_gguf`; ValueError for a file without a
             tokenizer or with a tokenizer model / pre-tokenizer that is not supported.
     """
-    from transformers import PreTrainedTokenizerFast
-
     reader = read_gguf(path)
     kind = _field(reader, "tokenizer.ggml.model", None)
     if kind is None or "tokenizer.ggml.tokens" not in reader.fields:
@@ -69,16 +70,9 @@ def gguf_tokenizer(path: str | os.PathLike):
                          f"['gpt2', 'llama']")
     _set_post_processor(backend, specials.get("bos_token") if add_bos else None,
                         specials.get("eos_token") if add_eos else None)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        model_input_names=["input_ids", "attention_mask"],
-        padding_side="left",  # where a batch of prompts for generation needs it
-        clean_up_tokenization_spaces=False,
-        **specials,
-    )
-    template = _field(reader, "tokenizer.chat_template", None)
-    if template is not None:
-        tokenizer.chat_template = template
+    # padding on the left, where a batch of prompts for generation needs it
+    tokenizer = TextTokenizer(backend, chat_template=_field(reader, "tokenizer.chat_template", None),
+                              padding_side="left", **specials)
     del reader, tokens, types  # the metadata parsed (tens of MB for a large vocabulary): give it back
     release_freed_memory()
     return tokenizer

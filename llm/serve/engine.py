@@ -220,11 +220,13 @@ class Engine:
         from llguidance import LLMatcher
         from llguidance.hf import from_tokenizer
 
+        from llm.data.text_tokenizer import as_transformers
+
         if self.tokenizer is None:
             raise ValueError("a grammar needs the engine's tokenizer")
         if self._ll_tokenizer is None:
             try:
-                self._ll_tokenizer = from_tokenizer(self.tokenizer, n_vocab=self.model.config.vocab_size)
+                self._ll_tokenizer = from_tokenizer(as_transformers(self.tokenizer), n_vocab=self.model.config.vocab_size)
             except Exception as err:  # llguidance reads byte-level BPE and SentencePiece tokenizers
                 raise ValueError(f"response_format needs a tokenizer llguidance can read, and this model's is "
                                  f"not one ({err})") from None
