@@ -6,9 +6,11 @@ documents on parallel threads.
 :func:`load_tokenizer` takes a ``tokenizer.json`` file, a transformers tokenizer folder, a model
 bundle written by ``MosaicGPT.save_pretrained(dir, tokenizer=...)``, a prepared dataset folder (its
 tokenizer), a registered pretrained name or a ``.gguf`` file
-(:func:`llm.data.gguf_tokenizer.gguf_tokenizer`). Built tokenizers are Hugging Face fast tokenizers
-with one token as eos, bos and pad (as GPT-2), padding on the left (where a batch of prompts for
-generation needs it).
+(:func:`llm.data.gguf_tokenizer.gguf_tokenizer`). A GGUF file's tokenizer, a bare ``tokenizer.json``
+and a plain ``PreTrainedTokenizerFast`` folder (what ``save_pretrained`` writes for ours) load as a
+:class:`~llm.data.text_tokenizer.TextTokenizer`, without importing transformers; other folders
+through transformers. Built tokenizers are Hugging Face fast tokenizers with one token as eos, bos
+and pad (as GPT-2), padding on the left (where a batch of prompts for generation needs it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llm.data.gguf_tokenizer import gguf_tokenizer
+from llm.data.text_tokenizer import ROLES, TextTokenizer
 from llm.data.sources import DataError
 from llm.io import atomic_write
 from llm.utils.pretrained import PRETRAINED, resolve
@@ -124,9 +127,11 @@ def trained_spec(spec: str) -> tuple[str, int | None] | None:
     return None
 
 
-def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast:
+def load_tokenizer(name_or_path: str | os.PathLike) -> PreTrainedTokenizerFast | TextTokenizer:
     """The tokenizer ``name_or_path`` names (any of :data:`LOAD_FORMS`, see the module doc), padding
-    on the left whatever its folder says.
+    on the left whatever its folder says: a :class:`~llm.data.text_tokenizer.TextTokenizer` where
+    that gives transformers' own ids and text without transformers (see the module doc), else a
+    transformers fast tokenizer.
 
     An existing path wins over a registered name. A bare ``tokenizer.json`` takes as eos token
     the first of :data:`EOS_CANDIDATES` in its vocabulary.
@@ -187,9 +192,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | os.PathL
     tokenizer.save_pretrained(str(directory))
 
 
-def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
+def _from_tokenizer_file(path: Path) -> TextTokenizer:
     backend = Tokenizer.from_file(str(path))
     vocab = backend.get_vocab(with_added_tokens=True)
     eos = next((token for token in EOS_CANDIDATES if token in vocab), None)
@@ -197,15 +200,20 @@ def _from_tokenizer_file(path: Path) -> PreTrainedTokenizerFast:
         raise DataError(f"tokenizer {str(path)!r} has no end-of-text token: a bare tokenizer.json names "
                         f"none and none of {list(EOS_CANDIDATES)} is in its vocabulary; pass its "
                         "transformers folder (whose tokenizer_config.json names eos_token) instead")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, clean_up_tokenization_spaces=False)
+    backend.no_padding()
+    backend.no_truncation()
+    return TextTokenizer(backend, padding_side="right", eos_token=eos)
 
 
-def _from_folder(path: Path) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
+def _from_folder(path: Path) -> PreTrainedTokenizerFast | TextTokenizer:
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise TokenizerNotFoundError(f"cannot load tokenizer {str(path)!r}: the folder holds no tokenizer "
                                      f"(tokenizer.json or tokenizer_config.json); a tokenizer is {SPEC_FORMS}")
+    plain = _plain_folder(path)
+    if plain is not None:
+        return plain
+    from transformers import PreTrainedTokenizerFast
+
     if _plain_fast_class(path):
         # What AutoTokenizer does for this config, without importing it: AutoTokenizer's imports
         # (accelerate, sympy, ...) would add some 180 MB to the memory of a preparing process.
@@ -220,15 +228,59 @@ def _from_folder(path: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _plain_folder(path: Path) -> TextTokenizer | None:
+    """The folder's tokenizer as a :class:`TextTokenizer`, without transformers, where transformers
+    would give exactly that: a ``PreTrainedTokenizerFast`` folder (no remote code) with a
+    ``tokenizer.json`` holding every added token its config lists, the special tokens as strings,
+    no extra special tokens, no clean-up of decoded spaces and one chat template or none (what
+    ``save_pretrained`` of our tokenizers writes); else None, for transformers to load."""
+    config = _config(path)
+    if not (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
+            and config.get("clean_up_tokenization_spaces") is False and (path / "tokenizer.json").is_file()
+            and not config.get("additional_special_tokens") and not config.get("extra_special_tokens")
+            and not (path / "chat_template.json").is_file() and not (path / "additional_chat_templates").exists()):
+        return None
+    specials = {}
+    for role in ROLES:
+        value = config.get(role)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            return None
+        specials[role] = value
+    legacy = _config(path, "special_tokens_map.json")  # transformers reads it too: it must agree
+    if any((v.get("content") if isinstance(v, dict) else v) != specials.get(k) for k, v in legacy.items()):
+        return None
+    template = config.get("chat_template")
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        return None
+    backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    added = {str(i): str(t) for i, t in backend.get_added_tokens_decoder().items()}
+    listed = config.get("added_tokens_decoder") or {}
+    if any(not isinstance(t, dict) or added.get(str(i)) != t.get("content") for i, t in listed.items()):
+        return None
+    # transformers sets padding and truncation at each call: none unless asked
+    backend.no_padding()
+    backend.no_truncation()
+    return TextTokenizer(backend, chat_template=template, padding_side=config.get("padding_side", "right"),
+                         **specials)
+
+
+def _config(path: Path, name: str = "tokenizer_config.json") -> dict:
+    """A folder's JSON file as a dict ({} when absent or not a JSON object)."""
+    try:
+        config = json.loads((path / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _plain_fast_class(path: Path) -> bool:
     """Whether the folder's ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` and no
     ``auto_map`` (remote code): then ``AutoTokenizer`` just calls that class's ``from_pretrained``."""
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("tokenizer_class") == "PreTrainedTokenizerFast" \
-        and "auto_map" not in config
+    config = _config(path)
+    return config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
 
 
 def train_tokenizer(spec: str, texts: Iterable[str]) -> PreTrainedTokenizerFast:

@@ -48,7 +48,7 @@ class Served:
 
     Attributes:
         engine: the running :class:`~llm.serve.engine.Engine`.
-        tokenizer: the model's tokenizer (a transformers fast tokenizer).
+        tokenizer: the model's tokenizer (:func:`llm.load_tokenizer`'s).
         name: the model's id in the API (``model`` fields, ``/v1/models``).
         defaults: the model's generation config (sampling defaults and eos id), under each
             request's fields.

@@ -168,7 +168,7 @@ def save_gguf(model, tokenizer, path: str | os.PathLike, gguf_type: str = "f32",
     Args:
         model: a float :class:`~llm.model.MosaicGPT` of the llama architecture (rope, GLU/SiLU,
             RMSNorm, no biases).
-        tokenizer: its byte-level BPE tokenizer (transformers fast tokenizer).
+        tokenizer: its byte-level BPE tokenizer (:func:`llm.load_tokenizer`'s).
         path: the ``.gguf`` file (written to a temporary name beside it, then renamed).
         gguf_type: one of :data:`GGUF_TYPES`.
         name: ``general.name`` (default: the file's stem).
