@@ -312,6 +312,11 @@ def int4_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return codes, d, zeros
 
 
+#: Projections converted between two trims of the C heap while loading: each frees its unpacked
+#: codes, which glibc would otherwise keep (the peak of loading SmolLM2 Q4_1: 130 MiB over the imports
+#: with a trim every 10, 141 without).
+_TRIM_EVERY = 10
+
 #: Bytes per block of 32 Q8_0 weights: fp16 d, 32 int8 codes.
 _Q8_0_BLOCK = 34
 
@@ -443,7 +448,7 @@ def load_gguf(
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
-    for name in projections(model):
+    for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
         native, native8 = _native_int4(parts, reader.path), _native_int8(parts)
@@ -464,7 +469,8 @@ def load_gguf(
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
         _release(reader, parts)
-        release_freed_memory()
+        if i % _TRIM_EVERY == _TRIM_EVERY - 1:  # the unpacked codes freed, back to the OS (about 1 ms a trim)
+            release_freed_memory()
     quantize_head(model, _int8_rows(sources[head + ".weight"], reader, head_packs(model, backend)), act, backend)
     _release(reader, sources[head + ".weight"])
     report.quantized.append(head)
