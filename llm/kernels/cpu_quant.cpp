@@ -324,6 +324,49 @@ at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales,
   return out;
 }
 
+// GGUF Q4_0 / Q4_1 rows, (rows, K / 32 * block bytes) uint8 as the file holds them (a block of 32
+// weights: fp16 d, for Q4_1 fp16 m, then 16 bytes whose low nibbles are weights 0-15 and high
+// nibbles 16-31; ggml-quants.c), straight into the int4 layout of this file's header: [codes, scales]
+// for Q4_0 (w = (q - 8) d: symmetric, no mins), [codes, scales, mins] for Q4_1 (w = q d + m), the
+// file's own codes, d and m. One pass instead of unpacking every code to a byte and packing it again.
+std::vector<at::Tensor> gguf_q4_pack_cpu(const at::Tensor& blocks_in, int64_t K) {
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && K > 0 && K % kGroup == 0,
+              "blocks must be uint8 (rows, bytes) and in_features a positive multiple of 32");
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t rows = blocks.size(0), G = K / kGroup, row_bytes = blocks.size(1), bb = row_bytes / G;
+  TORCH_CHECK(row_bytes == G * bb && (bb == 18 || bb == 20), "rows of ", row_bytes, " bytes are not ", G,
+              " Q4_0 (18-byte) or Q4_1 (20-byte) blocks");
+  const int64_t NB = (rows + kLanes - 1) / kLanes;
+  const bool q4_1 = bb == 20;
+  at::Tensor codes = at::zeros({NB, K / 8, kLanes, 4}, blocks.options());
+  at::Tensor scales = at::zeros({NB, G, kLanes}, blocks.options().dtype(at::kHalf));
+  at::Tensor mins = q4_1 ? at::zeros({NB, G, kLanes}, blocks.options().dtype(at::kHalf)) : at::Tensor();
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* c = codes.data_ptr<uint8_t>();
+  uint16_t* d = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* m = q4_1 ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / kLanes, i = r % kLanes;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* blk = src + r * row_bytes + g * bb;
+        const uint8_t* q = blk + bb - 16;
+        std::memcpy(d + (b * G + g) * kLanes + i, blk, 2);
+        if (m) std::memcpy(m + (b * G + g) * kLanes + i, blk + 2, 2);
+        for (int64_t t = 0; t < 4; ++t) {  // inputs 8t..8t+7 of the group: a byte holds 8t+j and 8t+4+j
+          uint8_t* out = c + ((b * (K / 8) + g * 4 + t) * kLanes + i) * 4;
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t lo = 8 * t + j, hi = 8 * t + 4 + j;
+            const uint8_t qlo = lo < 16 ? q[lo] & 0x0F : q[lo - 16] >> 4, qhi = hi < 16 ? q[hi] & 0x0F : q[hi - 16] >> 4;
+            out[j] = static_cast<uint8_t>(qlo | (qhi << 4));
+          }
+        }
+      }
+    }
+  });
+  return q4_1 ? std::vector<at::Tensor>{codes, scales, mins} : std::vector<at::Tensor>{codes, scales};
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * weight per row of x (rows, D), float32: the fused blocks' norm
 // (the mean summed in double, so that a row's result does not depend on the other rows).
 at::Tensor rms_norm_cpu(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -544,6 +587,7 @@ TORCH_LIBRARY(llm, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");
+  m.def("gguf_q4_pack(Tensor blocks, int in_features) -> Tensor[]");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
   m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
         "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
@@ -555,6 +599,7 @@ TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int8_linear", &int8_linear_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("int8_embedding", &int8_embedding_cpu);
+  m.impl("gguf_q4_pack", &gguf_q4_pack_cpu);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("decoder_blocks", &decoder_blocks_cpu);
 }

@@ -210,6 +210,19 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor,
     return packed, _group_lanes(scales), None if mins is None else _group_lanes(mins)
 
 
+def gguf_q4_pack(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF Q4_0 / Q4_1 rows as the file holds them, uint8 (rows, in_features / 32 * 18 or 20),
+    straight into the int4 layout: (codes, scales, mins), the mins None for Q4_0 (symmetric). The
+    same tensors as :func:`pack_int4` of the unpacked codes, d and (Q4_1) m, in one pass.
+
+    Raises:
+        RuntimeError: rows that are not whole Q4_0 or Q4_1 blocks, or without the kernels.
+    """
+    _require()
+    packed = torch.ops.llm.gguf_q4_pack(blocks, in_features)
+    return packed[0], packed[1], packed[2] if len(packed) == 3 else None
+
+
 def _group_lanes(values: torch.Tensor) -> torch.Tensor:
     return _blocks(values.to(torch.float16)).transpose(1, 2).contiguous()
 

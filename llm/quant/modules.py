@@ -343,6 +343,28 @@ class Int4Linear(nn.Module):
         cpu_quant.changed()
 
     @classmethod
+    def from_kernel_layout(cls, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                           out_features: int, bias: torch.Tensor | None, group_size: int,
+                           activation_dtype: torch.dtype, backend: str = "auto") -> "Int4Linear":
+        """A layer from weights already in our kernel's int4 layout (``pack_int4``'s, or
+        ``gguf_q4_pack``'s from a GGUF file's blocks), kept as they are where the layer takes our
+        kernel and unpacked for torch's elsewhere."""
+        in_features = packed.shape[1] * 8
+        if not _our_kernel(backend, packed.device, out_features, in_features, group_size):
+            codes, d, m = cpu_quant.unpack_int4(packed, scales, mins, out_features)
+            return cls(codes, d.float(), m.float() + 8 * d.float(), bias, group_size, activation_dtype, backend)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.backend, layer.out_features, layer.in_features = backend, out_features, in_features
+        layer.group_size, layer._activation_dtype, layer.kernel = group_size, activation_dtype, "llm"
+        layer.register_buffer("bias", bias)
+        layer.register_buffer("weight", packed)
+        layer.register_buffer("kernel_scales", scales, persistent=False)
+        layer.register_buffer("kernel_mins", mins, persistent=False)
+        cpu_quant.changed()
+        return layer
+
+    @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                    activation_dtype: torch.dtype, backend: str = "auto") -> "Int4Linear":
         """Quantize a float (out_features, in_features) weight; see :func:`int4_groups`."""

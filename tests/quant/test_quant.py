@@ -85,6 +85,32 @@ def test_q4_0_blocks_map_onto_int4_groups_without_requantizing():
     check_blocks(fake_q4_0(64, 96), 64, 96)
 
 
+def check_direct_pack(tensor, rows: int, cols: int) -> None:
+    """The file's rows packed in one pass are what unpacking and packing again gives, and a layer
+    made from them on torch's kernel holds the same codes, d and m."""
+    codes, scales, zeros = int4_blocks(tensor)
+    symmetric = tensor.tensor_type.name == "Q4_0"
+    expected = cpu_quant.pack_int4(codes, scales, None if symmetric else zeros - 8 * scales)
+    packed = cpu_quant.gguf_q4_pack(torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1).copy()), cols)
+    assert (packed[2] is None) == symmetric
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(packed, expected))
+    ours = Int4Linear.from_kernel_layout(*packed, rows, None, 32, torch.float32, "llm")
+    theirs = Int4Linear.from_kernel_layout(*packed, rows, None, 32, torch.float32, "torch")
+    assert (ours.kernel, theirs.kernel) == ("llm", "torch")
+    assert torch.equal(ours.codes(), codes) and torch.equal(theirs.codes(), codes)
+    assert all(torch.equal(a, b) for a, b in zip(theirs.groups(), (scales.half().float(), zeros)))
+
+
+@pytest.mark.skipif(cpu_quant.unavailable() is not None, reason="needs our CPU kernels")
+def test_q4_blocks_pack_into_the_kernel_layout_in_one_pass():
+    check_direct_pack(fake_q4_0(48, 128, seed=3), 48, 128)
+    if GGUF.is_file():
+        reader = read_gguf(GGUF)
+        check_direct_pack(next(t for t in reader.tensors if t.name == "blk.2.ffn_down.weight"), 576, 1536)
+    with pytest.raises(RuntimeError, match="are not 3 Q4_0 .* or Q4_1"):
+        cpu_quant.gguf_q4_pack(torch.zeros(4, 3 * 19, dtype=torch.uint8), 96)
+
+
 @needs_file
 def test_q4_1_blocks_of_the_real_file_map_onto_int4_groups_without_requantizing():
     reader = read_gguf(GGUF)

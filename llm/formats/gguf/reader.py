@@ -349,6 +349,23 @@ def _native_int8(parts) -> tuple[torch.Tensor, torch.Tensor] | None:
     return tuple(torch.cat(column) for column in zip(*pieces))
 
 
+def _native_int4_layer(parts, bias, act, backend: str) -> Int4Linear | None:
+    """The layer of a tensor all of whose sources are Q4_0, or all Q4_1, rows unpermuted: the
+    file's blocks straight into our kernel's layout (:func:`llm.kernels.cpu_quant.gguf_q4_pack`);
+    else None."""
+    kinds = {t.tensor_type.name for t, _ in parts}
+    if len(kinds) != 1 or kinds.pop() not in _INT4_BLOCKS:
+        return None
+    in_features = int(parts[0][0].shape[0])
+    rows = []
+    for t, heads in parts:
+        raw = torch.from_numpy(np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1:].prod()), -1))
+        rows.append(_unpermute(raw, heads) if heads else raw)
+    raw = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+    packed = cpu_quant.gguf_q4_pack(raw, in_features)
+    return Int4Linear.from_kernel_layout(*packed, len(raw), bias, 32, act, backend)
+
+
 def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The int4 groups of a tensor all of whose sources are Q4_0 / Q4_1, rows unpermuted; else None."""
     if any(t.tensor_type.name not in _INT4_BLOCKS for t, _ in parts):
@@ -448,11 +465,16 @@ def load_gguf(
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
+    kernels_here = model.device.type == "cpu" and backend != "torch" and cpu_quant.available(model.device)
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
-        native, native8 = _native_int4(parts, reader.path), _native_int8(parts)
-        if native is not None:
+        packed = _native_int4_layer(parts, linear.bias, act, backend) if kernels_here else None
+        native = _native_int4(parts, reader.path) if packed is None else None
+        native8 = _native_int8(parts)
+        if packed is not None:
+            module = packed
+        elif native is not None:
             module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act, backend)
         elif native8 is not None:
             module = Int8Linear(*(b.to(model.device) for b in native8), linear.bias, act, backend=backend)
