@@ -107,10 +107,19 @@ class Sampler:
         Inverse transform sampling: the first token whose cumulative probability (float64)
         exceeds a uniform draw scaled by the row's total; a token of probability 0 is never
         drawn. Twenty times faster than :func:`torch.multinomial` over a 50k vocabulary on the
-        CPU (0.05 ms against 1.1), which on a small model is a sixth of a decoding step."""
+        CPU (0.05 ms against 1.1), which on a small model is a sixth of a decoding step. One row
+        is drawn among its tokens of positive probability only (after top-p or top-k, a few out
+        of the vocabulary): the same token, since zeros add nothing to a sum, without two passes
+        over the whole vocabulary (0.36 ms a token on SmolLM2's)."""
         device = self.generator.device if self.generator is not None else probs.device
-        cumulative = probs.double().cumsum(-1)
         u = torch.rand(probs.shape[0], 1, generator=self.generator, device=device, dtype=torch.float64)
+        if probs.shape[0] == 1:
+            support = (probs[0] > 0).nonzero().squeeze(-1)  # in vocabulary order
+            if len(support):
+                cumulative = probs[0, support].double().cumsum(-1)
+                k = torch.searchsorted(cumulative, u[0].to(probs.device) * cumulative[-1:], right=True)
+                return support[k.clamp_max(len(support) - 1)]
+        cumulative = probs.double().cumsum(-1)
         picked = torch.searchsorted(cumulative, u.to(probs.device) * cumulative[:, -1:], right=True)
         # u * total can round up to the total: the last token of positive probability then
         last = (probs > 0).cumsum(-1).argmax(-1, keepdim=True)

@@ -63,3 +63,27 @@ def test_draws_follow_the_distribution_and_never_pick_impossible_tokens():
     # the same seed gives the same draws
     again = Sampler(GenerationConfig(do_sample=True), torch.Generator().manual_seed(1))
     assert torch.equal(torch.stack([again.draw(probs) for _ in range(4000)]), draws)
+
+
+def test_one_row_is_drawn_among_its_possible_tokens_as_over_the_whole_vocabulary():
+    """The one-row path (the support's cumulative sum) picks the token the whole row's picks."""
+    def whole_row(probs, u):
+        cumulative = probs.double().cumsum(-1)
+        picked = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True)
+        return torch.minimum(picked, (probs > 0).cumsum(-1).argmax(-1, keepdim=True)).squeeze(-1)
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        probs = torch.rand(1, 5000, generator=g) ** 8
+        probs[probs < torch.rand(1, generator=g) ** 0.1] = 0  # a nucleus of a few, or of many
+        probs[0, torch.randint(0, 5000, (1,), generator=g)] = 0.5
+        seed = int(torch.randint(0, 2**31, (1,), generator=g))
+        u = torch.rand(1, 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        sampler = Sampler(GenerationConfig(do_sample=True), torch.Generator().manual_seed(seed))
+        assert torch.equal(sampler.draw(probs), whole_row(probs, u)), trial
+    original = torch.rand  # u * total rounding up to the total: the last possible token
+    torch.rand = lambda *a, **k: torch.ones(a[0], 1, dtype=torch.float64)
+    try:
+        assert sampler.draw(torch.tensor([[0.0, 0.25, 0.75, 0.0]]) * 7).tolist() == [2]
+    finally:
+        torch.rand = original

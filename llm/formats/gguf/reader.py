@@ -358,10 +358,10 @@ def _native_int4_layer(parts, bias, act, backend: str) -> Int4Linear | None:
         return None
     in_features = int(parts[0][0].shape[0])
     rows = []
-    for t, heads in parts:
-        raw = torch.from_numpy(np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1:].prod()), -1))
+    for t, heads in parts:  # a copy of the file's bytes: torch takes no read-only (mapped) arrays
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True).reshape(int(t.shape[1:].prod()), -1))
         rows.append(_unpermute(raw, heads) if heads else raw)
-    raw = torch.cat(rows) if len(rows) > 1 else rows[0].clone()
+    raw = torch.cat(rows) if len(rows) > 1 else rows[0]
     packed = cpu_quant.gguf_q4_pack(raw, in_features)
     return Int4Linear.from_kernel_layout(*packed, len(raw), bias, 32, act, backend)
 
