@@ -15,6 +15,7 @@ import sys
 import warnings
 
 from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
+from llm.data.text_tokenizer import IncrementalText
 from llm.utils.tokens import common_prefix
 
 EXAMPLE = """example:
@@ -84,15 +85,14 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         keep = min(common_prefix(cached_ids, ids), len(ids) - 1)  # at least one new token to prefill
         cache.crop(keep)
-        answer, printed = [], ""
+        text = IncrementalText(tokenizer)
+        answer = text.ids
         try:
             for token in stream(model, torch.tensor([ids], device=model.device), past_key_values=cache,
                                 generation_config=options, tokenizer=tokenizer, compile=args.compile):
-                answer.extend(token.view(-1).tolist())
-                text = tokenizer.decode(answer, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):  # an incomplete UTF-8 character waits for its next token
-                    print(text[len(printed):], end="", flush=True)
-                    printed = text
+                piece = text.add(token.view(-1).tolist())  # "" while a UTF-8 character is incomplete
+                if piece:
+                    print(piece, end="", flush=True)
             cached_ids = ids + answer[:-1]  # the last token was sampled, never fed back
         except KeyboardInterrupt:  # Ctrl-C while answering stops the answer, keeps what it said
             # the cache may hold a step half written: the next turn starts it afresh

@@ -18,6 +18,7 @@ from llm.cache import Cache, DynamicCache
 from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
 from llm.generation.config import load_generation_config
 from llm.bundle import check_tokenizer_fits
+from llm.data.text_tokenizer import IncrementalText
 from llm.data.tokenizer import load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
@@ -157,17 +158,15 @@ class _Printer:
     """A streamer (``put``/``end``) that prints the decoded text as it grows."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.printed, self.prompt_seen = tokenizer, [], 0, False
+        self.text, self.prompt_seen = IncrementalText(tokenizer), False
 
     def put(self, value):
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.tokens += value.reshape(-1).tolist()
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[self.printed:], end="", flush=True)
-            self.printed = len(text)
+        piece = self.text.add(value.reshape(-1).tolist())  # "" until a multi-byte character is whole
+        if piece:
+            print(piece, end="", flush=True)
 
     def end(self):
         print(flush=True)

@@ -119,3 +119,34 @@ def test_generating_from_a_gguf_file_imports_no_transformers():
                           cwd=REPO_ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.parametrize("source", ["gguf", "bpe", "char"])
+def test_incremental_text_joins_to_the_whole_lists_text(source, tmp_path):
+    """Pieces of random id streams (special tokens, bytes of multi-byte characters, any chunking)
+    join to ``decode`` of all the ids, and none ends in half a character."""
+    from llm.data.text_tokenizer import IncrementalText
+
+    if source == "gguf":
+        if not GGUF.is_file():
+            pytest.skip(f"{GGUF} missing: run `make data`")
+        tok = load_tokenizer(GGUF)
+    else:
+        text = "ROMEO: naïve — 漢字 ✓ 😀 emoji, 1234\n" * 30
+        tok = train_bpe_tokenizer(text, 320) if source == "bpe" else build_char_tokenizer(text)
+    g = torch.Generator().manual_seed(len(source))
+    for trial in range(40):
+        ids = torch.randint(0, len(tok), (int(torch.randint(1, 120, (1,), generator=g)),), generator=g).tolist()
+        cut = int(torch.randint(0, len(ids) + 1, (1,), generator=g))  # characters of several bytes, too
+        ids = ids[:cut] + tok.encode("naïve 漢字 😀", add_special_tokens=False) + ids[cut:]
+        for skip in (True, False):
+            stream, pieces, at = IncrementalText(tok, skip_special_tokens=skip), [], 0
+            while at < len(ids):
+                n = int(torch.randint(1, 4, (1,), generator=g))
+                pieces.append(stream.add(ids[at:at + n]))
+                at += n
+            whole = tok.decode(ids, skip_special_tokens=skip)
+            assert all("\ufffd" not in p[-1:] for p in pieces if p)
+            assert "".join(pieces) == stream.text and whole.startswith(stream.text), (trial, skip)
+            if not whole.endswith("\ufffd"):
+                assert stream.text == whole, (trial, skip)
