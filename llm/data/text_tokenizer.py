@@ -268,6 +268,12 @@ class IncrementalText:
         self.text += piece
         return piece
 
+    def pending(self) -> str:
+        """The text of the ids not given yet, as decoded now (it may end in an incomplete
+        character's replacement mark): ``text + pending()`` is the whole list's text."""
+        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
+        return self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)[len(before):]
+
 
 def as_transformers(tokenizer):
     """``tokenizer`` as a transformers tokenizer: a :class:`TextTokenizer` converted, any other

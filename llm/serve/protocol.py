@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from llm.data.text_tokenizer import IncrementalText
 from llm.generation.config import GenerationConfig
 
 #: The most alternatives a token's logprobs entry may list (OpenAI's limit for chat).
@@ -463,13 +464,14 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.tokens: list[int] = []
+        self._text = IncrementalText(tokenizer)  # decoded a window at a time, not whole at each step
+        self.tokens: list[int] = self._text.ids
         self.sent = 0
         self.stopped = False
 
     def text(self) -> str:
         """All the text so far, cut before the first stop string."""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self._text.text + self._text.pending()
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
@@ -480,7 +482,7 @@ class TextStream:
         """Take new token ids; return the text they make sendable (all of the rest when ``final``)."""
         if self.stopped:
             return ""
-        self.tokens.extend(tokens)
+        self._text.add(tokens)
         text = self.text()
         end = len(text)
         if not (final or self.stopped):

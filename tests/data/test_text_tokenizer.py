@@ -146,6 +146,7 @@ def test_incremental_text_joins_to_the_whole_lists_text(source, tmp_path):
                 pieces.append(stream.add(ids[at:at + n]))
                 at += n
             whole = tok.decode(ids, skip_special_tokens=skip)
+            assert stream.text + stream.pending() == whole, (trial, skip)
             assert all("\ufffd" not in p[-1:] for p in pieces if p)
             assert "".join(pieces) == stream.text and whole.startswith(stream.text), (trial, skip)
             if not whole.endswith("\ufffd"):
