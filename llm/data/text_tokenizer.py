@@ -33,6 +33,18 @@ class BatchEncoding(dict):
         except KeyError:
             raise AttributeError(name) from None
 
+    @property
+    def data(self) -> dict:
+        return dict(self)
+
+    def to(self, device) -> "BatchEncoding":
+        """The tensors moved to ``device`` (transformers' ``BatchEncoding.to``)."""
+        return BatchEncoding({k: v.to(device) if hasattr(v, "to") else v for k, v in self.items()})
+
+
+#: transformers' ``VERY_LARGE_INTEGER``: the model_max_length of a tokenizer that names none.
+_NO_LIMIT = int(1e30)
+
 
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with special tokens, a chat template and a padding side.
@@ -45,11 +57,15 @@ class TextTokenizer:
             of the vocabulary, or None.
 
     Ids, decoding and chat prompts equal ``PreTrainedTokenizerFast(tokenizer_object=backend,
-    clean_up_tokenization_spaces=False, **special_tokens)``'s (tested), for the methods here.
+    clean_up_tokenization_spaces=False, **special_tokens)``'s (tested), for the methods here;
+    options these methods do not implement (truncation, text pairs, ``continue_final_message``,
+    ``return_dict``, tools...) and any other attribute of that class are answered by it
+    (:meth:`to_transformers`, which imports transformers).
     """
 
     is_fast = True
     model_input_names = ["input_ids", "attention_mask"]
+    model_max_length = _NO_LIMIT
 
     def __init__(self, backend, *, chat_template: str | None = None, padding_side: str = "left",
                  **special_tokens: str | None):
@@ -60,8 +76,13 @@ class TextTokenizer:
         self.chat_template = chat_template
         self.padding_side = padding_side
         self.name_or_path = ""
+        if backend.padding is not None:  # as transformers: a saved padding names the pad token
+            special_tokens.setdefault("pad_token", backend.padding.get("pad_token"))
         for role in ROLES:
             setattr(self, role, special_tokens.get(role))
+        # transformers sets padding and truncation at each call: none unless asked
+        backend.no_padding()
+        backend.no_truncation()
         # as transformers does: a special token not yet added to the vocabulary is added, as special
         added = {str(t) for t in backend.get_added_tokens_decoder().values()}
         missing = [t for t in dict.fromkeys(self.special_tokens_map.values()) if t not in added]
@@ -69,6 +90,22 @@ class TextTokenizer:
             from tokenizers import AddedToken
 
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        # and a top-level pre-tokenizer's add_prefix_space is set to transformers' default, False
+        try:
+            state = json.loads(backend.pre_tokenizer.__getstate__())
+            if state.get("add_prefix_space", False):
+                from tokenizers import pre_tokenizers
+
+                kind = getattr(pre_tokenizers, state.pop("type"))
+                backend.pre_tokenizer = kind(**{**state, "add_prefix_space": False})
+        except Exception:  # no pre-tokenizer, or one that cannot be rebuilt (as transformers, left as it is)
+            pass
+
+    def __getattr__(self, name):
+        # what this class does not implement, transformers' tokenizer answers
+        if name.startswith("__") or "backend_tokenizer" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.to_transformers(), name)
 
     # -- vocabulary ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -90,22 +127,35 @@ class TextTokenizer:
             return self.unk_token_id if index is None else index
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
-    def convert_ids_to_tokens(self, ids: int | Sequence[int]):
+    def convert_ids_to_tokens(self, ids: int | Sequence[int], skip_special_tokens: bool = False):
         if isinstance(ids, int):
             return self.backend_tokenizer.id_to_token(ids)
-        return [self.backend_tokenizer.id_to_token(int(i)) for i in ids]
+        special = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.backend_tokenizer.id_to_token(int(i)) for i in ids if int(i) not in special]
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary's size, without added tokens (transformers' ``vocab_size``)."""
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
 
     def _id(self, role: str) -> int | None:
         token = getattr(self, role)
         return None if token is None else self.convert_tokens_to_ids(token)
 
-    bos_token_id = property(lambda self: self._id("bos_token"))
-    eos_token_id = property(lambda self: self._id("eos_token"))
-    pad_token_id = property(lambda self: self._id("pad_token"))
+    def _set_id(self, role: str, index: int | None) -> None:
+        setattr(self, role, None if index is None else self.convert_ids_to_tokens(int(index)))
+
+    bos_token_id = property(lambda self: self._id("bos_token"), lambda self, i: self._set_id("bos_token", i))
+    eos_token_id = property(lambda self: self._id("eos_token"), lambda self, i: self._set_id("eos_token", i))
+    pad_token_id = property(lambda self: self._id("pad_token"), lambda self, i: self._set_id("pad_token", i))
 
     @property
     def unk_token_id(self) -> int | None:
         return None if self.unk_token is None else self.backend_tokenizer.token_to_id(self.unk_token)
+
+    @unk_token_id.setter
+    def unk_token_id(self, index: int | None) -> None:
+        self._set_id("unk_token", index)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
@@ -126,34 +176,43 @@ class TextTokenizer:
         it adds (a BOS, say)."""
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, padding: bool | str = False,
-                 return_tensors: str | None = None, return_attention_mask: bool = True) -> BatchEncoding:
+    def __call__(self, text: str | Sequence[str], text_pair=None, add_special_tokens: bool = True,
+                 padding: bool | str = False, return_tensors: str | None = None, return_attention_mask: bool = True,
+                 **kwargs) -> BatchEncoding:
         """``input_ids`` (and ``attention_mask``) of one text (lists) or of several (lists of lists,
-        padded with the pad token on ``padding_side`` when ``padding``); ``return_tensors="pt"``:
-        int64 tensors (several texts of different lengths need ``padding``).
+        padded with the pad token on ``padding_side`` when ``padding`` is True or ``"longest"``);
+        ``return_tensors="pt"``: int64 tensors (several texts of different lengths need
+        ``padding``). Other options (a text pair, truncation, ``"max_length"`` padding, other tensor
+        types) are transformers' tokenizer's to answer.
 
         Raises:
             ValueError: texts of different lengths as tensors without padding, padding without a
-                pad token, or another ``return_tensors`` than ``"pt"`` / None.
+                pad token.
         """
+        if text_pair is not None or kwargs or return_tensors not in (None, "pt") or \
+                padding not in (True, False, "longest", "do_not_pad"):
+            return self.to_transformers()(text, text_pair, add_special_tokens=add_special_tokens, padding=padding,
+                                          return_tensors=return_tensors, return_attention_mask=return_attention_mask,
+                                          **kwargs)
+        padding = padding not in (False, "do_not_pad")
+        if padding and self.pad_token_id is None:
+            raise ValueError("Asking to pad but the tokenizer does not have a padding token: set pad_token or "
+                             "pass padding=False")
         single = isinstance(text, str)
         texts = [text] if single else list(text)
         ids = [e.ids for e in self.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
         masks = [[1] * len(row) for row in ids]
         if padding and len(texts) > 1:
-            if self.pad_token_id is None:
-                raise ValueError("padding needs a pad token, and this tokenizer has none")
             width = max(map(len, ids))
             for row, mask in zip(ids, masks):
                 pad = width - len(row)
-                row[:0 if self.padding_side == "left" else len(row)] = [self.pad_token_id] * pad
-                mask[:0 if self.padding_side == "left" else len(mask)] = [0] * pad
+                at = 0 if self.padding_side == "left" else len(row)
+                row[at:at] = [self.pad_token_id] * pad
+                mask[at:at] = [0] * pad
         out = {"input_ids": ids[0] if single else ids}
         if return_attention_mask:
             out["attention_mask"] = masks[0] if single else masks
         if return_tensors is not None:
-            if return_tensors != "pt":
-                raise ValueError(f"return_tensors must be 'pt' or None, got {return_tensors!r}")
             if len({len(row) for row in ids}) > 1:
                 raise ValueError("texts of different lengths make tensors only with padding=True")
             import torch
@@ -161,52 +220,60 @@ class TextTokenizer:
             out = {k: torch.tensor([v] if single else v, dtype=torch.long) for k, v in out.items()}
         return BatchEncoding(out)
 
-    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        """The text of ``token_ids`` (an int, a list or a 0-d or 1-d tensor)."""
+    def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False) -> str:
+        """The text of ``token_ids`` (an int, a list or a 0-d or 1-d tensor); with
+        ``clean_up_tokenization_spaces`` transformers' clean-up of spaces before punctuation."""
         if hasattr(token_ids, "tolist"):
             token_ids = token_ids.tolist()
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        return self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        text = self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if clean_up_tokenization_spaces:  # transformers' clean_up_tokenization
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
 
-    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+    def batch_decode(self, sequences, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False
+                     ) -> list[str]:
         if hasattr(sequences, "tolist"):
             sequences = sequences.tolist()
-        return [self.decode(s, skip_special_tokens=skip_special_tokens) for s in sequences]
+        return [self.decode(s, skip_special_tokens, clean_up_tokenization_spaces) for s in sequences]
 
     # -- chat ------------------------------------------------------------------------------------
     def apply_chat_template(self, conversation, tokenize: bool = True, add_generation_prompt: bool = False,
                             return_tensors: str | None = None, chat_template: str | None = None,
-                            continue_final_message: bool = False, **kwargs):
+                            padding: bool | str = False, **kwargs):
         """A conversation (a list of ``{"role", "content"}`` messages, or a list of them) rendered
         by the chat template as transformers renders it (the same sandboxed Jinja environment:
         ``trim_blocks``, ``lstrip_blocks``, ``tojson``, ``raise_exception``, ``strftime_now``; the
         special tokens and ``kwargs`` as variables); with ``tokenize`` its ids, without special tokens
         added (a template writes its own), as a list or, with ``return_tensors="pt"``, a (1, n)
-        int64 tensor.
+        int64 tensor. Options of transformers' that shape more than this (``continue_final_message``,
+        ``return_dict``, ``tools``, ``documents``, truncation...) are its tokenizer's to answer.
 
         Raises:
-            ValueError: the tokenizer has no chat template and none is given; a template's
-                ``raise_exception``.
+            ValueError: the tokenizer has no chat template and none is given.
+            jinja2.TemplateError: a template's ``raise_exception``, as transformers'.
         """
-        template = chat_template or self.chat_template
+        if any(kwargs.get(k) not in (None, False, {}) for k in _TRANSFORMERS_CHAT_OPTIONS):
+            return self.to_transformers().apply_chat_template(
+                conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+                return_tensors=return_tensors, chat_template=chat_template, padding=padding, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in _TRANSFORMERS_CHAT_OPTIONS}
+        template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template: pass chat_template=, or give the model's "
                              "tokenizer (its tokenizer_config.json or GGUF file names one)")
-        batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
+        batched = isinstance(conversation, (list, tuple)) and bool(conversation) and \
+            isinstance(conversation[0], (list, tuple))
         variables = {"tools": None, "documents": None, **self.special_tokens_map, **kwargs}
-        rendered = []
-        for chat in conversation if batched else [conversation]:
-            text = _compiled(template).render(messages=list(chat), add_generation_prompt=add_generation_prompt,
-                                              **variables)
-            if continue_final_message:
-                final = chat[-1]["content"]
-                text = text[:text.rindex(final) + len(final)]
-            rendered.append(text)
+        rendered = [_compiled(template).render(messages=list(chat), add_generation_prompt=add_generation_prompt,
+                                               **variables) for chat in (conversation if batched else [conversation])]
         if not tokenize:
             return rendered if batched else rendered[0]
         if return_tensors is not None:
-            return self(rendered if batched else rendered[0], add_special_tokens=False, padding=True,
+            return self(rendered if batched else rendered[0], add_special_tokens=False, padding=padding,
                         return_tensors=return_tensors)["input_ids"]
         ids = [self.encode(text, add_special_tokens=False) for text in rendered]
         return ids if batched else ids[0]
@@ -275,6 +342,11 @@ class IncrementalText:
         return self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)[len(before):]
 
 
+#: apply_chat_template's options that only transformers' tokenizer implements (given, it answers).
+_TRANSFORMERS_CHAT_OPTIONS = ("continue_final_message", "return_dict", "return_assistant_tokens_mask", "tools",
+                              "documents", "truncation", "max_length", "tokenizer_kwargs")
+
+
 def as_transformers(tokenizer):
     """``tokenizer`` as a transformers tokenizer: a :class:`TextTokenizer` converted, any other
     returned as it is."""
@@ -300,7 +372,7 @@ def _compiled(template: str):
             return jinja2.nodes.Scope(body, lineno=lineno)
 
     def raise_exception(message):
-        raise ValueError(message)
+        raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -200,8 +200,6 @@ def _from_tokenizer_file(path: Path) -> TextTokenizer:
         raise DataError(f"tokenizer {str(path)!r} has no end-of-text token: a bare tokenizer.json names "
                         f"none and none of {list(EOS_CANDIDATES)} is in its vocabulary; pass its "
                         "transformers folder (whose tokenizer_config.json names eos_token) instead")
-    backend.no_padding()
-    backend.no_truncation()
     return TextTokenizer(backend, padding_side="right", eos_token=eos)
 
 
@@ -230,24 +228,27 @@ def _from_folder(path: Path) -> PreTrainedTokenizerFast | TextTokenizer:
 
 def _plain_folder(path: Path) -> TextTokenizer | None:
     """The folder's tokenizer as a :class:`TextTokenizer`, without transformers, where transformers
-    would give exactly that: a ``PreTrainedTokenizerFast`` folder (no remote code) with a
-    ``tokenizer.json`` holding every added token its config lists, the special tokens as strings,
-    no extra special tokens, no clean-up of decoded spaces and one chat template or none (what
-    ``save_pretrained`` of our tokenizers writes); else None, for transformers to load."""
+    would give exactly that: a ``PreTrainedTokenizerFast`` folder (no remote code) whose config
+    names the four special tokens we know as strings or none, and no other, no extra special
+    tokens, no clean-up of decoded spaces, no ``add_prefix_space``, no split special tokens, the
+    default model inputs and one chat template or none, with a ``tokenizer.json`` holding every
+    added token the config lists exactly as listed, each special token among them as special
+    (what ``save_pretrained`` of our tokenizers writes); else None, for transformers to load."""
     config = _config(path)
+    others = ("additional_special_tokens", "extra_special_tokens", "mask_token", "sep_token", "cls_token",
+              "split_special_tokens", "add_prefix_space")
     if not (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
             and config.get("clean_up_tokenization_spaces") is False and (path / "tokenizer.json").is_file()
-            and not config.get("additional_special_tokens") and not config.get("extra_special_tokens")
+            and not any(config.get(k) not in (None, {}, []) for k in others) and "add_prefix_space" not in config
+            and config.get("model_input_names", TextTokenizer.model_input_names) == TextTokenizer.model_input_names
             and not (path / "chat_template.json").is_file() and not (path / "additional_chat_templates").exists()):
         return None
-    specials = {}
-    for role in ROLES:
-        value = config.get(role)
-        value = value.get("content") if isinstance(value, dict) else value
-        if value is not None and not isinstance(value, str):
-            return None
-        specials[role] = value
-    legacy = _config(path, "special_tokens_map.json")  # transformers reads it too: it must agree
+    specials = {role: config[role] for role in ROLES if config.get(role) is not None}
+    if not all(isinstance(v, str) for v in specials.values()):
+        return None
+    # transformers reads the legacy map too: it must agree (its entries may be AddedToken dicts, whose
+    # flags do not matter for a token tokenizer.json holds already, as checked below)
+    legacy = _config(path, "special_tokens_map.json")
     if any((v.get("content") if isinstance(v, dict) else v) != specials.get(k) for k, v in legacy.items()):
         return None
     template = config.get("chat_template")
@@ -256,15 +257,22 @@ def _plain_folder(path: Path) -> TextTokenizer | None:
     if template is not None and not isinstance(template, str):
         return None
     backend = Tokenizer.from_file(str(path / "tokenizer.json"))
-    added = {str(i): str(t) for i, t in backend.get_added_tokens_decoder().items()}
-    listed = config.get("added_tokens_decoder") or {}
-    if any(not isinstance(t, dict) or added.get(str(i)) != t.get("content") for i, t in listed.items()):
+    added = {str(i): t for i, t in backend.get_added_tokens_decoder().items()}
+    flags = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+    for i, listed in (config.get("added_tokens_decoder") or {}).items():
+        token = added.get(str(i))
+        if not isinstance(listed, dict) or token is None or any(
+                listed.get(f) != (str(token) if f == "content" else getattr(token, f)) for f in flags):
+            return None
+    special = {str(t) for t in added.values() if t.special}
+    if not all(v in special for v in specials.values()):
         return None
-    # transformers sets padding and truncation at each call: none unless asked
-    backend.no_padding()
-    backend.no_truncation()
-    return TextTokenizer(backend, chat_template=template, padding_side=config.get("padding_side", "right"),
-                         **specials)
+    tokenizer = TextTokenizer(backend, chat_template=template, padding_side=config.get("padding_side", "right"),
+                              **specials)
+    tokenizer.name_or_path = str(path)
+    if isinstance(config.get("model_max_length"), int):
+        tokenizer.model_max_length = config["model_max_length"]
+    return tokenizer
 
 
 def _config(path: Path, name: str = "tokenizer_config.json") -> dict:

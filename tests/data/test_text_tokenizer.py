@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import jinja2
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -38,8 +39,11 @@ def assert_same(ours, theirs):
             assert ours.decode(torch.tensor(ids), skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert ours.batch_decode([[5, 6], [7]]) == theirs.batch_decode([[5, 6], [7]])
     batch = ["a short one", "and a much longer text than that"]
-    mine, yours = ours(batch, padding=True, return_tensors="pt"), theirs(batch, padding=True, return_tensors="pt")
-    assert torch.equal(mine.input_ids, yours["input_ids"]) and torch.equal(mine.attention_mask, yours["attention_mask"])
+    for side in ("right", "left"):
+        ours.padding_side = theirs.padding_side = side
+        mine, yours = ours(batch, padding=True, return_tensors="pt"), theirs(batch, padding=True, return_tensors="pt")
+        assert torch.equal(mine.input_ids, yours["input_ids"]) and torch.equal(mine.attention_mask, yours["attention_mask"])
+        assert ours(batch, padding=True) == theirs(batch, padding=True).data
     for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
                  "pad_token_id", "special_tokens_map", "all_special_ids", "all_special_tokens", "chat_template",
                  "padding_side"):
@@ -59,6 +63,15 @@ def assert_same(ours, theirs):
                                    theirs.apply_chat_template(chat, add_generation_prompt=gen, return_tensors="pt"))
             assert ours.apply_chat_template(CHATS, add_generation_prompt=gen) == \
                 theirs.apply_chat_template(CHATS, add_generation_prompt=gen)
+        # options it leaves to transformers' tokenizer give transformers' answers
+        chat = CHATS[1][:3]
+        for options in ({"continue_final_message": True, "tokenize": False}, {"return_dict": True},
+                        {"truncation": True, "max_length": 5}):
+            assert ours.apply_chat_template(chat, **options) == theirs.apply_chat_template(chat, **options), options
+    assert ours("a", "b")["input_ids"] == theirs("a", "b")["input_ids"]  # a text pair, answered by transformers
+    assert ours(TEXTS[1], truncation=True, max_length=3)["input_ids"] == \
+        theirs(TEXTS[1], truncation=True, max_length=3)["input_ids"]
+    assert ours.vocab_size == theirs.vocab_size and ours.tokenize("hello world") == theirs.tokenize("hello world")
 
 
 @pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} missing: run `make data`")
@@ -87,7 +100,9 @@ def test_folders_it_cannot_mirror_exactly_load_through_transformers(tmp_path):
     train_bpe_tokenizer("some text to learn from " * 50, 300).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     for change in ({"clean_up_tokenization_spaces": True}, {"additional_special_tokens": ["<|im_start|>"]},
-                   {"tokenizer_class": "GPT2TokenizerFast"}):
+                   {"tokenizer_class": "GPT2TokenizerFast"}, {"mask_token": "<|im_start|>"}, {"add_prefix_space": True},
+                   {"split_special_tokens": True}, {"model_input_names": ["input_ids", "token_type_ids"]},
+                   {"added_tokens_decoder": {"0": {**config["added_tokens_decoder"]["0"], "lstrip": True}}}):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
         assert not isinstance(load_tokenizer(tmp_path), TextTokenizer), change
 
@@ -102,7 +117,7 @@ def test_the_chat_template_runs_in_transformers_environment(tmp_path):
     chat = [{"role": "user", "content": "naïve \"quotes\""}]
     assert ours.apply_chat_template(chat, chat_template=template, tokenize=False, add_generation_prompt=True) == \
         theirs.apply_chat_template(chat, chat_template=template, tokenize=False, add_generation_prompt=True)
-    with pytest.raises(ValueError, match="no bad roles"):
+    with pytest.raises(jinja2.TemplateError, match="no bad roles"):
         ours.apply_chat_template([{"role": "bad", "content": ""}], chat_template=template)
     with pytest.raises(ValueError, match="has no chat template"):
         ours.apply_chat_template(chat)
