@@ -322,12 +322,20 @@ class IncrementalText:
         self.ids: list[int] = []
         self.text = ""  # the pieces given so far
         self._prefix = self._read = 0  # the window's start, and where the ids not yet given start
+        self._decoded: dict[tuple[int, int], str] = {}  # the window's two texts, decoded once each
+
+    def _text(self, start: int, end: int) -> str:
+        key = (start, end)
+        if key not in self._decoded:
+            if len(self._decoded) >= 4:  # only the current window's are asked for again
+                self._decoded.clear()
+            self._decoded[key] = self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip)
+        return self._decoded[key]
 
     def add(self, ids: Sequence[int]) -> str:
         """Take new ids; return the text they complete ("" while a character is incomplete)."""
         self.ids.extend(ids)
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
-        now = self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)
+        before, now = self._text(self._prefix, self._read), self._text(self._prefix, len(self.ids))
         if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
             return ""
         piece = now[len(before):]
@@ -338,8 +346,8 @@ class IncrementalText:
     def pending(self) -> str:
         """The text of the ids not given yet, as decoded now (it may end in an incomplete
         character's replacement mark): ``text + pending()`` is the whole list's text."""
-        before = self.tokenizer.decode(self.ids[self._prefix:self._read], skip_special_tokens=self.skip)
-        return self.tokenizer.decode(self.ids[self._prefix:], skip_special_tokens=self.skip)[len(before):]
+        before = self._text(self._prefix, self._read)
+        return self._text(self._prefix, len(self.ids))[len(before):]
 
 
 #: apply_chat_template's options that only transformers' tokenizer implements (given, it answers).

@@ -236,7 +236,7 @@ def _plain_folder(path: Path) -> TextTokenizer | None:
     (what ``save_pretrained`` of our tokenizers writes); else None, for transformers to load."""
     config = _config(path)
     others = ("additional_special_tokens", "extra_special_tokens", "mask_token", "sep_token", "cls_token",
-              "split_special_tokens", "add_prefix_space")
+              "split_special_tokens")
     if not (config.get("tokenizer_class") == "PreTrainedTokenizerFast" and "auto_map" not in config
             and config.get("clean_up_tokenization_spaces") is False and (path / "tokenizer.json").is_file()
             and not any(config.get(k) not in (None, {}, []) for k in others) and "add_prefix_space" not in config

@@ -314,32 +314,40 @@ class Int4Linear(nn.Module):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
                  group_size: int, activation_dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
+        self._setup(*codes.shape, bias, group_size, activation_dtype, backend)
+        self._set_weights(codes, scales, zeros)
+
+    def _setup(self, out_features: int, in_features: int, bias: torch.Tensor | None, group_size: int,
+               activation_dtype: torch.dtype, backend: str) -> None:
         self.backend = backend
-        self.out_features, self.in_features = codes.shape
+        self.out_features, self.in_features = out_features, in_features
         self.group_size = group_size
         self._activation_dtype = activation_dtype
         self.register_buffer("bias", bias)
-        self._set_weights(codes, scales, zeros)
 
     def _set_weights(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         """Pack codes (out, in) with scales and zeros (out, in // group_size) for the kernel of their device."""
         device = codes.device
-        for name in ("scales_and_zeros", "kernel_scales", "kernel_mins"):
-            self._buffers.pop(name, None)
         if _our_kernel(self.backend, device, self.out_features, self.in_features, self.group_size):
-            self.kernel = "llm"
             scales, zeros = scales.float(), zeros.float()
             # zeros all 0 (GGUF Q4_0's symmetric blocks): no mins to store or read, min = -8 scale
-            mins = None if not zeros.any() else zeros - 8 * scales
-            packed, kernel_scales, mins = cpu_quant.pack_int4(codes, scales, mins)
-            self.register_buffer("weight", packed)
-            self.register_buffer("kernel_scales", kernel_scales, persistent=False)
-            self.register_buffer("kernel_mins", mins, persistent=False)
-        else:
-            self.kernel = "torch"
-            self.register_buffer("weight", int4_pack(codes, device))
-            self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
-                                 .to(device=device, dtype=self._activation_dtype).contiguous())
+            self._set_packed(*cpu_quant.pack_int4(codes, scales, None if not zeros.any() else zeros - 8 * scales))
+            return
+        for name in ("kernel_scales", "kernel_mins"):
+            self._buffers.pop(name, None)
+        self.kernel = "torch"
+        self.register_buffer("weight", int4_pack(codes, device))
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1)
+                             .to(device=device, dtype=self._activation_dtype).contiguous())
+        cpu_quant.changed()
+
+    def _set_packed(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+        """Take weights in our kernel's int4 layout (:func:`llm.kernels.cpu_quant.pack_int4`'s)."""
+        self._buffers.pop("scales_and_zeros", None)
+        self.kernel = "llm"
+        self.register_buffer("weight", packed)
+        self.register_buffer("kernel_scales", scales, persistent=False)
+        self.register_buffer("kernel_mins", mins, persistent=False)
         cpu_quant.changed()
 
     @classmethod
@@ -355,13 +363,8 @@ class Int4Linear(nn.Module):
             return cls(codes, d.float(), m.float() + 8 * d.float(), bias, group_size, activation_dtype, backend)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.backend, layer.out_features, layer.in_features = backend, out_features, in_features
-        layer.group_size, layer._activation_dtype, layer.kernel = group_size, activation_dtype, "llm"
-        layer.register_buffer("bias", bias)
-        layer.register_buffer("weight", packed)
-        layer.register_buffer("kernel_scales", scales, persistent=False)
-        layer.register_buffer("kernel_mins", mins, persistent=False)
-        cpu_quant.changed()
+        layer._setup(out_features, in_features, bias, group_size, activation_dtype, backend)
+        layer._set_packed(packed, scales, mins)
         return layer
 
     @classmethod

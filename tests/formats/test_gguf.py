@@ -492,7 +492,7 @@ def test_converted_tensors_give_their_file_pages_back():
     parts = gguf_module._sources(reader, config)["blocks.0.ffn.gate_proj.weight"]
     tensor = parts[0][0]
     span = (int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes))
-    gguf_module._native_int4(parts, reader.path)
+    gguf_module._joined(parts, gguf_module.int4_blocks)
     present, pages = _present_pages(reader.data, *span)
     assert pages > 100 and present == pages  # the tensor's pages were read in
     gguf_module._release(reader, parts)

@@ -339,42 +339,35 @@ def q8_0_blocks(tensor, rows: slice | None = None) -> tuple[torch.Tensor, torch.
     return blocks[..., 2:].contiguous().view(torch.int8).reshape(len(blocks), -1), scales
 
 
-def _native_int8(parts) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The int8 groups of a tensor all of whose sources are Q8_0, rows unpermuted; else None."""
-    if any(t.tensor_type.name != "Q8_0" for t, _ in parts):
-        return None
-    pieces = []
-    for t, heads in parts:
-        pieces.append([_unpermute(b, heads) if heads else b for b in q8_0_blocks(t)])
-    return tuple(torch.cat(column) for column in zip(*pieces))
+def _joined(parts, convert) -> tuple[torch.Tensor, ...]:
+    """``convert(tensor)``'s tensors (row-major, a row per output) of every source of ``parts``,
+    each source's rows unpermuted, concatenated row-wise (a fused Wqkv's q, k and v)."""
+    pieces = [[_unpermute(b, heads) if heads else b for b in convert(t)] for t, heads in parts]
+    return tuple(torch.cat(column) if len(column) > 1 else column[0] for column in zip(*pieces))
 
 
-def _native_int4_layer(parts, bias, act, backend: str) -> Int4Linear | None:
-    """The layer of a tensor all of whose sources are Q4_0, or all Q4_1, rows unpermuted: the
-    file's blocks straight into our kernel's layout (:func:`llm.kernels.cpu_quant.gguf_q4_pack`);
-    else None."""
+def _raw_rows(tensor) -> tuple[torch.Tensor]:
+    """A quantized tensor's bytes, a row of blocks per output: a copy (torch takes no read-only,
+    mapped arrays)."""
+    return (torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(int(tensor.shape[1:].prod()), -1)),)
+
+
+def _native_layer(parts, bias, act, backend: str, device: torch.device) -> torch.nn.Module | None:
+    """The layer of a tensor whose sources are all Q4_0 / Q4_1, or all Q8_0, on ``device`` with the
+    file's own codes, d and m (rows unpermuted); None for other types. Blocks of one Q4 type go
+    straight into our kernel's layout where it runs (:func:`llm.kernels.cpu_quant.gguf_q4_pack`),
+    others through the unpacked codes (:func:`int4_blocks`)."""
     kinds = {t.tensor_type.name for t, _ in parts}
-    if len(kinds) != 1 or kinds.pop() not in _INT4_BLOCKS:
-        return None
-    in_features = int(parts[0][0].shape[0])
-    rows = []
-    for t, heads in parts:  # a copy of the file's bytes: torch takes no read-only (mapped) arrays
-        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8, copy=True).reshape(int(t.shape[1:].prod()), -1))
-        rows.append(_unpermute(raw, heads) if heads else raw)
-    raw = torch.cat(rows) if len(rows) > 1 else rows[0]
-    packed = cpu_quant.gguf_q4_pack(raw, in_features)
-    return Int4Linear.from_kernel_layout(*packed, len(raw), bias, 32, act, backend)
-
-
-def _native_int4(parts, path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The int4 groups of a tensor all of whose sources are Q4_0 / Q4_1, rows unpermuted; else None."""
-    if any(t.tensor_type.name not in _INT4_BLOCKS for t, _ in parts):
-        return None
-    pieces = []
-    for t, heads in parts:
-        blocks = int4_blocks(t)
-        pieces.append([_unpermute(b, heads) if heads else b for b in blocks])
-    return tuple(torch.cat(column) for column in zip(*pieces))
+    if len(kinds) == 1 and kinds <= set(_INT4_BLOCKS) and device.type == "cpu" and backend != "torch" \
+            and cpu_quant.available(device):
+        raw, = _joined(parts, _raw_rows)
+        packed = cpu_quant.gguf_q4_pack(raw, int(parts[0][0].shape[0]))
+        return Int4Linear.from_kernel_layout(*packed, len(raw), bias, 32, act, backend)
+    if kinds <= set(_INT4_BLOCKS):
+        return Int4Linear(*(b.to(device) for b in _joined(parts, int4_blocks)), bias, 32, act, backend)
+    if kinds == {"Q8_0"}:
+        return Int8Linear(*(b.to(device) for b in _joined(parts, q8_0_blocks)), bias, act, backend=backend)
+    return None
 
 
 def _release(reader, parts) -> None:
@@ -465,20 +458,11 @@ def load_gguf(
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
-    kernels_here = model.device.type == "cpu" and backend != "torch" and cpu_quant.available(model.device)
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
-        packed = _native_int4_layer(parts, linear.bias, act, backend) if kernels_here else None
-        native = _native_int4(parts, reader.path) if packed is None else None
-        native8 = _native_int8(parts)
-        if packed is not None:
-            module = packed
-        elif native is not None:
-            module = Int4Linear(*(b.to(model.device) for b in native), linear.bias, 32, act, backend)
-        elif native8 is not None:
-            module = Int8Linear(*(b.to(model.device) for b in native8), linear.bias, act, backend=backend)
-        else:
+        module = _native_layer(parts, linear.bias, act, backend, model.device)
+        if module is None:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
             if min(_BITS.get(t, 16) for t in types) >= 6:
