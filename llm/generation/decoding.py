@@ -153,18 +153,20 @@ class Decoding:
         if proposer is not None and (self.batch != 1 or self.padded):
             raise ValueError("speculative decoding runs one unpadded row at a time (generate splits batches)")
         self._find_last_real_tokens()
-        self.static = None
+        self.static = self.steps = None
         if compile:
             draft = proposer.num_tokens if proposer is not None else 0
             prefill_end = self.cached + -(-(self.prompt_len - self.cached) // PREFILL_CHUNK) * PREFILL_CHUNK
             writes = max(prefill_end, needed + (verify_chunk(draft) if draft else 0))
             self.static = StaticDecoder(model, self.mask, writes, cache, compile=True, draft_tokens=draft)
             self.cache = self.static.cache
+        else:  # one-token steps, thin on the fused kernel (MosaicGPT.decoding_steps)
+            self.steps = model.decoding_steps(self.cache)
 
         self._eos_and_pad(options)
 
         self.prompt = prompt.to(device)
-        # token history per row, for the repetition penalty and for reference decoding
+        # token history per row, for the repetition penalty and for speculative proposers
         self.history = input_ids.to(device) if input_ids is not None else torch.zeros(self.batch, 0, dtype=torch.long, device=device)
         self.seen = None
         if sampler.repetition_penalty is not None:
@@ -289,7 +291,11 @@ class Decoding:
         if self.padded and self.static is None:  # the static decoder keeps its own key mask
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         if draft is None or draft.numel() == 0:
-            logits = self._forward(last[:, None])[:, -1]
+            if self.steps is not None:
+                self.stats["forward_passes"] += 1
+                logits = self.steps(last[:, None], self.mask if self.padded else None)
+            else:
+                logits = self._forward(last[:, None])[:, -1]
             chunk = self._emit(self.sampler.pick(logits, self.seen)[:, None])
             if self.schedule is not None:
                 self.schedule.step_done(0, 0)
@@ -356,7 +362,8 @@ class Decoding:
                 if t in self.eos or (self.stop is not None and self.stop.hit(self.new_tokens[row])):
                     self.finished[row] = True
         tokens = torch.tensor([values[:keep] for values in rows], dtype=torch.long, device=tokens.device)
-        self.history = torch.cat([self.history, tokens], dim=1)
+        if self.proposer is not None:  # the only reader of the history
+            self.history = torch.cat([self.history, tokens], dim=1)
         if self.seen is not None:
             self.seen.scatter_(1, tokens, True)
         return tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llm.generation.config import GenerationConfig
+from llm.kernels import cpu_quant
 
 
 def filter_logits(
@@ -98,7 +99,7 @@ class Sampler:
     def pick(self, logits: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:
         """(n, vocab) logits -> (n,) int64 tokens."""
         if self.greedy:
-            return self.scores(logits, seen).argmax(-1)
+            return cpu_quant.argmax_rows(self.scores(logits, seen))
         return self.draw(self.probs(logits, seen))
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:

@@ -102,11 +102,16 @@ class RotaryEmbedding(nn.Module):
         if lowest < 0:
             cos, sin = self.angles(position_ids)
         else:
-            if self._table is None or self._table[0].shape[0] <= highest:
-                size = max(self._TABLE, 2 * (self._table[0].shape[0] if self._table is not None else 0), highest + 1)
-                self._table = self.angles(torch.arange(size))
-            cos, sin = self._table[0][position_ids], self._table[1][position_ids]
+            cos, sin = self.table_rows(position_ids, highest)
         return Rotation(cos[:, None].to(dtype), sin[:, None].to(dtype))
+
+    def table_rows(self, position_ids: torch.Tensor, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`angles` of CPU ``position_ids`` in [0, ``highest``], read from the table (made,
+        or doubled, to reach ``highest``): float32 (*position_ids.shape, head_dim) each."""
+        if self._table is None or self._table[0].shape[0] <= highest:
+            size = max(self._TABLE, 2 * (self._table[0].shape[0] if self._table is not None else 0), highest + 1)
+            self._table = self.angles(torch.arange(size))
+        return self._table[0][position_ids], self._table[1][position_ids]
 
 
 class Rotation:

@@ -244,6 +244,12 @@ class MosaicGPT(nn.Module):
         logits = buffer.output_logits(self, x, plans is not None)
         return CausalLMOutput(logits=logits, past_key_values=cache.to_legacy() if legacy else cache)
 
+    def decoding_steps(self, cache: Cache) -> "buffer.FusedSteps":
+        """A callable for decoding one token at a time over ``cache``: ``steps(input_ids (batch,
+        1), attention_mask) -> (batch, vocab_size)`` logits, as :meth:`forward` gives them, with
+        less Python per step where the fused kernel runs (:class:`~llm.model.buffer.FusedSteps`)."""
+        return buffer.FusedSteps(self, cache)
+
     def forward_static(self, input_ids: torch.Tensor | None, cache: Cache, cache_position: torch.Tensor,
                        key_mask: torch.Tensor, logits_index: torch.Tensor | None = None, *,
                        inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -139,3 +139,85 @@ def test_greedy_decoding_equals_the_uncached_argmax_on_every_path(monkeypatch):
     torch._dynamo.reset()
     for out in (lookup, draft, static):
         assert torch.equal(out, plain)
+
+
+@torch.no_grad()
+@SETTINGS
+@given(models, st.booleans(), st.lists(st.integers(1, 30), min_size=1, max_size=4), st.integers(1, 40),
+       st.lists(st.integers(0, 3), max_size=4), st.booleans(), st.randoms(use_true_random=False))
+def test_decoding_steps_give_the_forwards_logits(spec, learned, lengths, steps, crops, expect, rnd):
+    """model.decoding_steps (the thin one-token step generate takes) == forward, bit for bit, on
+    left-padded batches, over a cache that grows (or was sized up front) and is cropped between
+    steps (a rejected draft), as speculative decoding does; rotary or learned positions."""
+    if learned:
+        key = ("learned", *spec)
+        if key not in _MODELS:
+            _MODELS[key] = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=spec[1], vocab_size=97, max_seq_len=256,
+                                      learned_pos_emb=True, rope=False, quantization=spec[0], kernels="llm")
+        model = _MODELS[key]
+    else:
+        model = model_for(*spec)
+    rows = [torch.tensor([rnd.randrange(97) for _ in range(n)]) for n in lengths]
+    width = max(lengths)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, ids in enumerate(rows):
+        batch[r, width - len(ids):] = ids
+        mask[r, width - len(ids):] = True
+    padded = not bool(mask.all())
+    caches = [DynamicCache().expect(width + steps) if expect else DynamicCache(), DynamicCache()]
+    for cache in caches:
+        model(batch, attention_mask=mask if padded else None, past_key_values=cache)
+    fast = model.decoding_steps(caches[0])
+    for i in range(steps):
+        if i and i - 1 < len(crops) and crops[i - 1] and mask.shape[1] - crops[i - 1] >= width:
+            keep = mask.shape[1] - crops[i - 1]
+            mask = mask[:, :keep]
+            for cache in caches:
+                cache.crop(keep)
+        nxt = torch.tensor([[rnd.randrange(97)] for _ in rows])
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.bool)], 1)
+        got = fast(nxt, mask if padded else None)
+        want = model(nxt, attention_mask=mask if padded else None, past_key_values=caches[1]).logits[:, -1]
+        assert torch.equal(got, want)
+        assert caches[0].get_seq_length() == caches[1].get_seq_length() == mask.shape[1]
+
+
+@torch.no_grad()
+def test_decoding_steps_run_forward_where_the_fused_blocks_do_not():
+    """Other models (ALiBi, LayerNorm blocks), a new position that is padding, and forward's errors
+    (a learned position past max_seq_len) are forward's own."""
+    alibi = tiny_model("alibi", quantization="int8", kernels="llm")
+    learned = tiny_model("learned", max_seq_len=8)
+    for model in (alibi, learned):
+        cache = DynamicCache()
+        model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+        steps = model.decoding_steps(cache)
+        reference = DynamicCache()
+        model(torch.tensor([[1, 2, 3]]), past_key_values=reference)
+        for token in (4, 5):
+            assert torch.equal(steps(torch.tensor([[token]])),
+                               model(torch.tensor([[token]]), past_key_values=reference).logits[:, -1])
+    for _ in range(3):
+        steps(torch.tensor([[6]]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        steps(torch.tensor([[7]]))
+    llama = model_for("int4", 2)
+    cache, reference = DynamicCache(), DynamicCache()
+    for c in (cache, reference):
+        llama(torch.tensor([[1, 2, 3]]), past_key_values=c)
+    mask = torch.tensor([[True, True, True, False]])
+    got = llama.decoding_steps(cache)(torch.tensor([[4]]), mask)
+    assert torch.equal(got, llama(torch.tensor([[4]]), attention_mask=mask, past_key_values=reference).logits[:, -1])
+
+
+@SETTINGS
+@given(st.integers(1, 3), st.integers(1, 300), st.sampled_from([0.0, 0.05, 0.5]), st.sampled_from([0.0, 0.05]),
+       st.randoms(use_true_random=False))
+def test_argmax_rows_is_torchs_argmax(rows, n, infinite, nan, rnd):
+    """The first of equal largest values, the first NaN, -inf and +inf rows: torch.argmax's index."""
+    x = torch.tensor([[float(rnd.randrange(-3, 3)) for _ in range(n)] for _ in range(rows)])
+    for value, share in ((float("-inf"), infinite), (float("inf"), infinite / 5), (float("nan"), nan)):
+        x[torch.tensor([[rnd.random() < share for _ in range(n)] for _ in range(rows)])] = value
+    assert torch.equal(cpu_quant.argmax_rows(x), x.argmax(-1))
+    assert torch.equal(torch.ops.llm.argmax_rows(x), x.argmax(-1))
