@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from omegaconf import OmegaConf
 
 from llm.utils.config import from_dict
 
@@ -169,9 +168,13 @@ class MosaicGPTConfig:
 
     def save(self, path: str | Path) -> None:
         """Write the config as YAML."""
+        from omegaconf import OmegaConf  # imported when used: see llm.utils.config._omegaconf
+
         OmegaConf.save(OmegaConf.create(self.to_dict()), str(path))
 
     @classmethod
     def load(cls, path: str | Path) -> "MosaicGPTConfig":
         """Read a config written by :meth:`save` (or any YAML with these keys)."""
+        from omegaconf import OmegaConf  # imported when used: see llm.utils.config._omegaconf
+
         return cls.from_dict(OmegaConf.load(str(path)))

@@ -14,7 +14,7 @@ import argparse
 import sys
 import warnings
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
 from llm.data.text_tokenizer import IncrementalText
 from llm.utils.tokens import common_prefix
 
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     """Run the chat until an empty line or end of input; returns the exit status (2 for a bad input)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if unknown_model(args.model):
+        parser.error(unknown_model(args.model))
     import torch
 
     from llm.cache import DynamicCache
@@ -49,9 +51,11 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
 
     try:
         set_threads(args.threads)
+        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
+        # the model's, not on top of it
+        tokenizer = load_tokenizer(args.model)
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                           quantization=args.quantize, backend=args.backend)
-        tokenizer = load_tokenizer(args.model)
         check_tokenizer_fits(tokenizer, model, args.model)
         if not tokenizer.chat_template:
             parser.error(f"the tokenizer of {args.model} has no chat template")

@@ -15,6 +15,16 @@ class CliError(ValueError):
     """A bad command-line input, printed as one line with exit status 2."""
 
 
+def unknown_model(name: str) -> str | None:
+    """The one-line error for a ``--model`` that is neither an existing path nor a registered name
+    (:func:`llm.utils.pretrained.unknown_model`), or None: checked before anything loads."""
+    from pathlib import Path
+
+    from llm.utils.pretrained import PRETRAINED, unknown_model as message
+
+    return None if Path(name).exists() or name in PRETRAINED else message(name)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, ``PROG: error: ...``, with exit status 2 and without the
     usage block (``--help`` shows it)."""

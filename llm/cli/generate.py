@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
 from llm.generation.config import load_generation_config
 from llm.bundle import check_tokenizer_fits
 from llm.data.text_tokenizer import IncrementalText
@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     prompts = _prompts(args, parser)
+    if unknown_model(args.model):
+        parser.error(unknown_model(args.model))
     if args.speculative == "draft" and not args.draft_model:
         parser.error("--speculative draft needs --draft-model")
     if args.prompt_cache is not None:
@@ -228,9 +230,11 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     try:
         set_threads(args.threads)
         dtype = getattr(torch, args.dtype)
+        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
+        # the model's, not on top of it
+        tokenizer = load_tokenizer(args.model)
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize,
                                           backend=args.backend)
-        tokenizer = load_tokenizer(args.model)
         check_tokenizer_fits(tokenizer, model, args.model)
         draft = None
         if args.speculative == "draft":

@@ -13,9 +13,8 @@ import os
 import socket
 import sys
 import threading
-from pathlib import Path
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
 
 
 def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
@@ -94,9 +93,11 @@ def loader(args):
         from llm.serve.http import Served
 
         set_threads(args.threads)
+        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
+        # the model's, not on top of it
+        tokenizer = load_tokenizer(args.model)
         model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                                           quantization=args.quantize, backend=args.backend)
-        tokenizer = load_tokenizer(args.model)
         check_tokenizer_fits(tokenizer, model, args.model)
         # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
@@ -124,15 +125,13 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     does not exist, 1 if it cannot listen or the model fails to load)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    from llm.utils.pretrained import PRETRAINED, unknown_model
-
-    if not Path(args.model).exists() and args.model not in PRETRAINED:
+    if unknown_model(args.model):
         parser.error(unknown_model(args.model))
     if args.speculative == "draft" and args.draft_model is None:
         parser.error("--speculative draft needs --draft-model (a smaller model with the same tokenizer)")
     if args.draft_model is not None and args.speculative != "draft":
         parser.error(f"--draft-model drafts only with --speculative draft (got --speculative {args.speculative})")
-    if args.draft_model is not None and not Path(args.draft_model).exists() and args.draft_model not in PRETRAINED:
+    if args.draft_model is not None and unknown_model(args.draft_model):
         parser.error("--draft-model " + unknown_model(args.draft_model))
     # Listen before anything starts, so that a taken port or an unknown host is one line here.
     try:

@@ -39,8 +39,6 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Union
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 __all__ = [
     "Check",
@@ -64,6 +62,15 @@ __all__ = [
 Check = Callable[[Any], "str | None"]
 
 _MISSING = dataclasses.MISSING
+
+
+def _omegaconf():
+    """omegaconf, imported at the first configuration read rather than with this module (3 MB and
+    50 ms that loading a model from a GGUF file or a bundle's weights does not need)."""
+    import omegaconf
+    import omegaconf.errors
+
+    return omegaconf
 
 
 class ConfigError(ValueError):
@@ -304,16 +311,18 @@ def _annotation_at(cls: type, full_key: str) -> Any:
     return tp
 
 
-def _omegaconf_error(err: OmegaConfBaseException, root: type, data: Any, path: str) -> ConfigError:
-    """One of OmegaConf's errors as a :class:`ConfigError` naming the key and what is allowed."""
+def _omegaconf_error(err, root: type, data: Any, path: str) -> ConfigError:
+    """One of OmegaConf's errors (an ``OmegaConfBaseException``) as a :class:`ConfigError` naming
+    the key and what is allowed."""
+    errors = _omegaconf().errors
     where = join_path(path, err.full_key) if err.full_key else path
     cls = err.object_type if dataclasses.is_dataclass(err.object_type) else None
-    if isinstance(err, ConfigKeyError) and cls is not None:
+    if isinstance(err, errors.ConfigKeyError) and cls is not None:
         allowed = _fields(cls)
         guess = difflib.get_close_matches(str(err.key), allowed, n=1, cutoff=0.6)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         return ConfigError(where, f"unknown key{hint}; allowed keys: {allowed}")
-    if isinstance(err, MissingMandatoryValue):
+    if isinstance(err, errors.MissingMandatoryValue):
         return ConfigError(where, "missing required key")
     annotation = _annotation_at(root, err.full_key)
     if annotation is not None:
@@ -334,10 +343,11 @@ def _looks_infinite(value: Any) -> bool:
 
 def _to_plain(data: Any, path: str) -> Any:
     """``data`` with omegaconf containers turned into plain dicts and lists (interpolations resolved)."""
-    if isinstance(data, (DictConfig, ListConfig)):
+    omegaconf = sys.modules.get("omegaconf")  # not imported yet: data is no omegaconf container
+    if omegaconf is not None and isinstance(data, (omegaconf.DictConfig, omegaconf.ListConfig)):
         try:
-            return OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
-        except OmegaConfBaseException as e:  # interpolation or missing-value errors, which name the key
+            return omegaconf.OmegaConf.to_container(data, resolve=True, throw_on_missing=True)
+        except omegaconf.errors.OmegaConfBaseException as e:  # interpolation or missing values, naming the key
             raise ConfigError(path, " ".join(str(e).split())) from None
     return data
 
@@ -391,6 +401,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     for key in data:
         if not isinstance(key, str):
             raise ConfigError(path, f"keys must be strings, got {_short_repr(key)} ({type(key).__name__})")
+    omegaconf = _omegaconf()
+    OmegaConf, OmegaConfBaseException = omegaconf.OmegaConf, omegaconf.errors.OmegaConfBaseException
     try:
         schema = OmegaConf.structured(cls)
     except OmegaConfBaseException as e:
@@ -402,11 +414,11 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise _omegaconf_error(e, cls, data, path) from None
 
 
-def _build(cls: type, node: DictConfig, path: str) -> Any:
-    """The dataclass ``cls`` from its merged node (see :func:`from_dict`)."""
+def _build(cls: type, node, path: str) -> Any:
+    """The dataclass ``cls`` from its merged node (a ``DictConfig``, see :func:`from_dict`)."""
     hints = dict(_type_hints(cls))
     field_types = getattr(cls, "config_field_types", None)
-    by_sibling = field_types(OmegaConf.to_container(node)) if field_types is not None else {}
+    by_sibling = field_types(_omegaconf().OmegaConf.to_container(node)) if field_types is not None else {}
     kwargs = {}
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -438,14 +450,16 @@ def _value(tp: Any, raw: Any, path: str) -> Any:
     tp = _without_none(tp)
     if raw is None:
         return None
-    if isinstance(raw, DictConfig):
+    omegaconf = _omegaconf()
+    OmegaConf = omegaconf.OmegaConf
+    if isinstance(raw, omegaconf.DictConfig):
         if dataclasses.is_dataclass(tp):
             return _build(tp, raw, path)
         items_type = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
         if dataclasses.is_dataclass(items_type):
             return {key: _build(items_type, raw[key], join_path(path, str(key))) for key in raw}
         return OmegaConf.to_container(raw, resolve=True)
-    if isinstance(raw, ListConfig):
+    if isinstance(raw, omegaconf.ListConfig):
         items = OmegaConf.to_container(raw, resolve=True)
         args = typing.get_args(tp)
         if typing.get_origin(tp) is tuple and args and args[-1] is not Ellipsis and len(items) != len(args):
