@@ -30,6 +30,7 @@
 #include <cmath>
 #include <ctime>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -591,6 +592,24 @@ at::Tensor argmax_rows_cpu(const at::Tensor& x_in) {
   return out;
 }
 
+// One row's next token drawn from its logits: see sample_row in cpu_quant_simd.h.
+int64_t sample_row_cpu(const at::Tensor& logits_in, double temperature, int64_t top_k, double top_p, double min_p,
+                       double u) {
+  check_isa();
+  TORCH_CHECK(logits_in.dim() == 1 && logits_in.size(0) > 0 && logits_in.scalar_type() == at::kFloat &&
+                  logits_in.is_cpu(),
+              "logits must be float32 CPU (vocab,), got ", logits_in.scalar_type(), " ", logits_in.sizes());
+  TORCH_CHECK(temperature > 0 && top_k >= 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1 && u >= 0 && u < 1,
+              "temperature must be > 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1] and u in [0, 1)");
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t V = logits.size(0);
+  std::vector<float> scratch(V);
+  int64_t token = 0;
+  LLM_DISPATCH(sample_row(logits.data_ptr<float>(), V, static_cast<float>(temperature), top_k,
+                          static_cast<float>(top_p), static_cast<float>(min_p), u, scratch.data(), &token));
+  return token;
+}
+
 const std::string cpu_isa() { return isa(); }
 
 // The pacing's state, for tests: (calls left on one thread, the next stretch).
@@ -621,6 +640,7 @@ TORCH_LIBRARY(llm, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("sample_row(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u) -> int");
   m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");
   m.def("gguf_q4_pack(Tensor blocks, int in_features) -> Tensor[]");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
@@ -634,6 +654,7 @@ TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("int8_linear", &int8_linear_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("argmax_rows", &argmax_rows_cpu);
+  m.impl("sample_row", &sample_row_cpu);
   m.impl("int8_embedding", &int8_embedding_cpu);
   m.impl("gguf_q4_pack", &gguf_q4_pack_cpu);
   m.impl("decode_attention", &decode_attention_cpu);

@@ -14,8 +14,9 @@ The source is compiled by :func:`build` (``make install`` runs it; otherwise the
 about 30 s) with :func:`torch.utils.cpp_extension.load`, cached on disk under
 ``$LLM_HOME/kernels`` (default ``~/.cache/llm/kernels``, :func:`build_directory`), for both instruction sets; the
 CPU picks one when the operators run (:func:`isa`). It registers ``torch.ops.llm.int4_linear``,
-``int8_linear``, ``rms_norm``, ``decode_attention`` and ``decoder_blocks`` (Llama blocks over a
-cache buffer in one call), with fake implementations, so ``torch.compile`` calls them as they are.
+``int8_linear``, ``rms_norm``, ``decode_attention``, ``decoder_blocks`` (Llama blocks over a
+cache buffer in one call), ``argmax_rows`` and ``sample_row`` (picking the next token), with fake
+implementations, so ``torch.compile`` calls them as they are.
 Which layers use them is the model's choice, made when it is quantized (``backend`` of
 :func:`llm.quant.quantize`); :func:`unavailable` says why they cannot run here.
 

@@ -33,6 +33,8 @@ inline F fround(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT 
 inline F fscale2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 // y where x is not -inf (NaN included), else 0
 inline F fwhere_real(F x, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ), y); }
+// y where x >= lo, else 0 (NaN: 0)
+inline F fwhere_ge(F x, F lo, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
 inline I izero() { return _mm512_setzero_si512(); }
 inline I iset(int32_t a) { return _mm512_set1_epi32(a); }
 inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -125,6 +127,9 @@ inline F fscale2(F p, F n) { return {scale2(p.a, n.a), scale2(p.b, n.b)}; }
 inline F fwhere_real(F x, F y) {
   const __m256 inf = _mm256_set1_ps(-INFINITY);
   return {_mm256_and_ps(_mm256_cmp_ps(x.a, inf, _CMP_NEQ_UQ), y.a), _mm256_and_ps(_mm256_cmp_ps(x.b, inf, _CMP_NEQ_UQ), y.b)};
+}
+inline F fwhere_ge(F x, F lo, F y) {
+  return {_mm256_and_ps(_mm256_cmp_ps(x.a, lo.a, _CMP_GE_OQ), y.a), _mm256_and_ps(_mm256_cmp_ps(x.b, lo.b, _CMP_GE_OQ), y.b)};
 }
 inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
@@ -683,4 +688,115 @@ inline void run_blocks(const Blocks& a, float* x) {
   }
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   observe(static_cast<int>(team_size), wall, *std::min_element(cpu.begin(), cpu.begin() + team_size));
+}
+
+// ---- sampling -----------------------------------------------------------------------------------
+
+// e[i] = exp(x[i] / t - top) for x[i] / t >= floor, else 0, over n floats; returns their sum
+// (in double). The quotient is rounded as torch's logits / temperature.
+inline double exp_shifted(const float* x, int64_t n, float t, float floor_, float top, float* e) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const F topv = fset(top), tv = fset(t), floorv = fset(floor_);
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const F v = fdiv(fload_n(x + i, n - i, -inf), tv);
+    // below the floor (top-k's), -inf (past the end too): weight exactly 0
+    const F p = fwhere_ge(v, floorv, fwhere_real(v, exp16(fsub(v, topv))));
+    fstore_n(e + i, p, n - i);
+    sum += fsum(p);
+  }
+  return sum;
+}
+
+// One row's next token as Sampler.probs + Sampler.draw give it (llm/generation/sampling.py):
+// logits / temperature; the top_k largest kept (0: all); min_p: tokens whose probability is at
+// least min_p times the top one's (0: all); top_p: the smallest set, by descending probability
+// (ties by index), whose probability reaches top_p (1: all); then a draw by inverse transform: the
+// first token of the kept ones, in vocabulary order, whose cumulative probability (double) exceeds
+// u times their total, the last one where rounding leaves none. x: V floats of scratch.
+inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p,
+                        float min_p, double u, float* x) {
+  const float inf = std::numeric_limits<float>::infinity();
+  // dividing by temperature > 0 keeps the order: the largest quotient is the largest logit's
+  float floor_ = -inf;  // top-k: the k-th largest quotient
+  if (top_k > 0 && top_k < V) {
+    std::vector<float> sorted(V);
+    for (int64_t i = 0; i < V; ++i) sorted[i] = logits[i] / temperature;
+    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<float>());
+    floor_ = sorted[top_k - 1];
+  }
+  F topv = fset(-inf);
+  for (int64_t i = 0; i < V; i += kLanes) topv = fmax(fload_n(logits + i, V - i, -inf), topv);
+  const float top = fmaxr(topv) / temperature;
+  if (!std::isfinite(top)) return 0;  // no finite logit (NaN ones are refused before): nothing to draw
+  float* e = x;
+  double total = exp_shifted(logits, V, temperature, floor_, top, e);  // the top token's exp is 1
+  if (min_p > 0.f) {
+    const float inv = static_cast<float>(1.0 / total), floor_ = min_p * inv;
+    total = 0.0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (e[i] * inv < floor_) e[i] = 0.f;
+      total += e[i];
+    }
+  }
+  // the kept tokens in vocabulary order when top_p leaves few of them; else every token with e > 0
+  std::vector<int64_t> support;
+  if (top_p < 1.f) {
+    // the nucleus lies among the tokens of probability >= tau once those before the last of them
+    // reach top_p: tau from the top token's probability / 4096 down, 4096 times at a time, to 0
+    const float inv = static_cast<float>(1.0 / total);
+    std::vector<int64_t> nucleus;
+    for (float tau = inv / 4096.f;; tau = tau > 1e-30f ? tau / 4096.f : 0.f) {
+      nucleus.clear();
+      for (int64_t b = 0; b < V; b += kLanes) {
+        const int64_t end = std::min(V, b + kLanes);
+        float most = 0.f;
+        for (int64_t i = b; i < end; ++i) most = std::max(most, e[i]);
+        if (most == 0.f || most * inv < tau) continue;
+        for (int64_t i = b; i < end; ++i)
+          if (e[i] > 0.f && e[i] * inv >= tau) nucleus.push_back(i);
+      }
+      std::stable_sort(nucleus.begin(), nucleus.end(), [&](int64_t a, int64_t b) { return e[a] > e[b]; });
+      float mass = 0.f, before_last = 0.f;
+      for (const int64_t i : nucleus) before_last = mass, mass += e[i] * inv;
+      if (before_last >= top_p || tau == 0.f) break;
+    }
+    float mass = 0.f;
+    size_t keep = 0;
+    while (keep < nucleus.size() && mass < top_p) mass += e[nucleus[keep++]] * inv;  // mass before < top_p
+    support.assign(nucleus.begin(), nucleus.begin() + keep);
+    std::sort(support.begin(), support.end());
+    total = 0.0;
+    for (const int64_t i : support) total += e[i];
+  }
+  // the distribution as torch's softmax of the kept logits gives it: exp(x - top) times 1 / sum
+  const float inv = static_cast<float>(1.0 / total);
+  auto draw = [&](auto&& each) {
+    double cumulative = 0.0;
+    int64_t last = 0;
+    each([&](int64_t i) {
+      const float p = e[i] * inv;
+      if (p > 0.f) cumulative += p, last = i;
+    });
+    const double target = u * cumulative;
+    double running = 0.0;
+    int64_t found = -1;
+    each([&](int64_t i) {
+      const float p = e[i] * inv;
+      if (found < 0 && p > 0.f && (running += p) > target) found = i;
+    });
+    return found >= 0 ? found : last;
+  };
+  if (top_p < 1.f)
+    return draw([&](auto&& f) {
+      for (const int64_t i : support) f(i);
+    });
+  return draw([&](auto&& f) {
+    for (int64_t i = 0; i < V; ++i) f(i);
+  });
+}
+
+inline void sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p, float min_p,
+                       double u, float* x, int64_t* token) {
+  *token = draw_row(logits, V, temperature, top_k, top_p, min_p, u, x);
 }

@@ -1,6 +1,7 @@
 """Sampling filters against hand computations and transformers' processors (the options' checks are in
 test_config.py)."""
 
+import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
@@ -87,3 +88,26 @@ def test_one_row_is_drawn_among_its_possible_tokens_as_over_the_whole_vocabulary
         assert sampler.draw(torch.tensor([[0.0, 0.25, 0.75, 0.0]]) * 7).tolist() == [2]
     finally:
         torch.rand = original
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_one_row_drawn_by_our_kernel_is_the_token_of_probs_and_draw():
+    """Sampler.pick's one-row path (llm::sample_row: temperature, top-k, min-p, top-p and the draw
+    in one pass) picks the token that Sampler.draw picks from Sampler.probs with the same uniform
+    number, over vocabularies, scales, options and repetition penalties (distinct logits: among
+    tied ones at the nucleus' edge it keeps the lower ids)."""
+    generator = torch.Generator().manual_seed(0)
+    options = [dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r)
+               for t in (0.2, 1.0, 1.7) for k in (None, 1, 5) for p in (None, 0.5, 0.95) for m in (None, 0.1)
+               for r in (None, 1.3)]
+    for trial, option in enumerate(options * 3):
+        vocab = (5, 97, 4096)[trial % 3]
+        logits = torch.randn(1, vocab, generator=generator) * (1.0, 8.0)[trial % 2]
+        seen = torch.rand(1, vocab, generator=generator) < 0.2
+        seed = int(torch.randint(0, 2**31, (1,), generator=generator))
+        config = GenerationConfig(do_sample=True, **option)
+        fast = Sampler(config, torch.Generator().manual_seed(seed))
+        slow = Sampler(config, torch.Generator().manual_seed(seed))
+        for _ in range(3):
+            assert torch.equal(fast.pick(logits, seen), slow.draw(slow.probs(logits, seen))), (trial, option)
+    assert torch.ops.llm.sample_row(torch.tensor([0.0, 5.0, 5.0, 1.0]), 1.0, 0, 0.4, 0.0, 0.99) == 1  # ties: lower id
