@@ -195,12 +195,13 @@ struct Acts {
 };
 
 inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, Acts& a) {
-  const int64_t C = K / kGroup, KG = K / G;
+  const int64_t C = K / kGroup, KG = K / G, per = G / kGroup;  // chunks of 32 inputs a weight group
   a.q.resize(M * K);
   a.d.resize(M * C);
   a.qsum.resize(M * C);
   a.sum.assign(M * KG, 0.f);
-  for (int64_t i = 0; i < M * C; ++i) {
+  // (no division in the loop: by run-time sizes, three a chunk cost as much as quantizing it)
+  for (int64_t i = 0, c = 0, g = 0, left = per; i < M * C; ++i) {
     const float* p = x + i * kGroup;
     const F u = fload(p), v = fload(p + 16);
     float amax = fmaxr(fmax(fabs_(u), fabs_(v)));
@@ -212,14 +213,21 @@ inline void quantize_acts(const float* x, int64_t M, int64_t K, int64_t G, Acts&
     store_i8(a.q.data() + i * kGroup + 16, qv);
     a.d[i] = amax / 127.f;
     a.qsum[i] = isum(iadd(qu, qv));
-    a.sum[(i / C) * KG + (i % C) * kGroup / G] += a.d[i] * static_cast<float>(a.qsum[i]);
+    a.sum[g] += a.d[i] * static_cast<float>(a.qsum[i]);  // g: row i / C's group of chunk i % C
+    if (++c == C)
+      c = 0, ++g, left = per;
+    else if (--left == 0)
+      ++g, left = per;
   }
 }
 
-// 16 output rows for R tokens of int4 weights (each token's lanes computed alone).
-template <int R>
-void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t K, int64_t G, const int8_t* xq,
-                const float* xd, const float* xs, int64_t ldo, float* out, int64_t width) {
+// 16 output rows for R tokens of int4 weights (each token's lanes computed alone). kG: the group
+// size where it is known when compiling (kGroup, llama.cpp's), else 0 and G says it: a division by
+// a run-time G in every group's prefetch address cost SmolLM2's 32-input groups a fifth of their time.
+template <int R, int64_t kG>
+void int4_block_in(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t K, int64_t G_, const int8_t* xq,
+                   const float* xd, const float* xs, int64_t ldo, float* out, int64_t width) {
+  const int64_t G = kG ? kG : G_;
   const int64_t C = K / kGroup, KG = K / G;
   const F sixteenth = fset(1.f / 16.f);
   F acc[R];
@@ -248,6 +256,15 @@ void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t 
     for (int r = 0; r < R; ++r) acc[r] = ffma(mv, fset(xs[r * KG + g]), acc[r]);
   }
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, acc[r], width);
+}
+
+template <int R>
+void int4_block(const uint8_t* w, const at::Half* d, const at::Half* m, int64_t K, int64_t G, const int8_t* xq,
+                const float* xd, const float* xs, int64_t ldo, float* out, int64_t width) {
+  if (G == kGroup)
+    int4_block_in<R, kGroup>(w, d, m, K, G, xq, xd, xs, ldo, out, width);
+  else
+    int4_block_in<R, 0>(w, d, m, K, G, xq, xd, xs, ldo, out, width);
 }
 
 // The int32 dot products of chunk c (32 inputs) of 16 rows of int8 weights with R tokens' codes.
@@ -285,10 +302,12 @@ void int8_block(const int8_t* w, const float* scale, int64_t K, const int8_t* xq
 }
 
 // 16 output rows for R tokens of int8 weights in groups of G inputs, an fp16 scale per row and
-// group (GGUF Q8_0's blocks: w = q * d, G = 32), applied per 32 inputs with the activations' scale.
-template <int R>
-void int8_group_block(const int8_t* w, const at::Half* d, int64_t K, int64_t G, const int8_t* xq, const float* xd,
-                      const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
+// group (GGUF Q8_0's blocks: w = q * d, G = 32), applied per 32 inputs with the activations' scale;
+// kG as int4_block_in's.
+template <int R, int64_t kG>
+void int8_group_block_in(const int8_t* w, const at::Half* d, int64_t K, int64_t G_, const int8_t* xq, const float* xd,
+                         const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
+  const int64_t G = kG ? kG : G_;
   const int64_t C = K / kGroup, KG = K / G;
   F acc[R];
   I dots[R];
@@ -304,11 +323,20 @@ void int8_group_block(const int8_t* w, const at::Half* d, int64_t K, int64_t G, 
   for (int r = 0; r < R; ++r) fstore_n(out + r * ldo, acc[r], width);
 }
 
+template <int R>
+void int8_group_block(const int8_t* w, const at::Half* d, int64_t K, int64_t G, const int8_t* xq, const float* xd,
+                      const int32_t* xqs, int64_t ldo, float* out, int64_t width) {
+  if (G == kGroup)
+    int8_group_block_in<R, kGroup>(w, d, K, G, xq, xd, xqs, ldo, out, width);
+  else
+    int8_group_block_in<R, 0>(w, d, K, G, xq, xd, xqs, ldo, out, width);
+}
+
 // Block b of 16 output rows for the M tokens of a (quantized with w.group's sums), into out (row
 // r at out + r * ldo, the block's first column at out), in tiles of at most kTile tokens.
 inline void project_block(const QWeight& w, const Acts& a, int64_t M, int64_t b, float* out, int64_t ldo) {
   const int64_t width = std::min(kLanes, w.n - b * kLanes);
-  const int64_t K = w.k, C = K / kGroup, KG = K / w.group;
+  const int64_t K = w.k, C = K / kGroup, KG = w.group == kGroup ? K / kGroup : K / w.group;
   for (int64_t r0 = 0; r0 < M; r0 += kTile) {
     auto run = [&](auto R) {
       constexpr int kR = decltype(R)::value;
