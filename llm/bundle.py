@@ -179,7 +179,7 @@ def from_pretrained(
     if quantization is not None and quantization not in ("none", *METHODS, "gguf"):
         raise ValueError(f"quantization must be one of {('none', *METHODS, 'gguf')}, got {quantization!r}")
     check_backend(backend, device or "cpu")
-    kind, directory = resolve(name_or_path)
+    kind, directory = locate(name_or_path)
     if kind in LOADERS:
         model = LOADERS[kind](directory, dtype=dtype, device=device, quantization=quantization,
                               group_size=group_size, backend=backend)
@@ -191,16 +191,6 @@ def from_pretrained(
             model.generation_config = defaults.update(**ids) if ids else defaults
         check_finite_weights(model, directory)
         return model
-    if not directory.exists():
-        raise FileNotFoundError(unknown_model(str(name_or_path)))
-    if directory.is_file():
-        raise FileNotFoundError(f"{directory} is a file but not a .gguf one: give a model folder (with "
-                                f"{CONFIG_FILE}), a .gguf file or a registered name")
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (directory / name).is_file():
-            hint = (f" (a training run's model is in {directory / 'model'})"
-                    if (directory / "model" / CONFIG_FILE).is_file() else "")
-            raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained{hint}")
     config = MosaicGPTConfig.load(directory / CONFIG_FILE)
     saved = _read_quantization(directory)
     quantization = None if quantization == "none" else quantization
@@ -240,6 +230,36 @@ def from_pretrained(
     check_finite_weights(model, weights_path)
     model.tokenizer_digest = saved_tokenizer
     return model
+
+
+def locate(name_or_path: str | os.PathLike) -> tuple[str, Path]:
+    """Where :func:`from_pretrained` loads ``name_or_path`` from (:func:`llm.utils.pretrained.resolve`),
+    checked to be there without reading it: ``("gguf", file)`` or ``("bundle", directory)``. The
+    command lines call it before loading anything (the tokenizer first), so that a wrong
+    ``--model`` is named as such.
+
+    Raises:
+        FileNotFoundError: no such path and no registered name (or one not fetched yet); a
+            ``.gguf`` path that is no file; a file that is not ``.gguf``; a folder without
+            ``config.yaml`` and ``model.safetensors`` (pointing at a training run's ``model``
+            folder where there is one).
+    """
+    kind, directory = resolve(name_or_path)
+    if kind == "gguf":
+        if not directory.is_file():
+            raise FileNotFoundError(f"no GGUF file at {directory}")
+        return kind, directory
+    if not directory.exists():
+        raise FileNotFoundError(unknown_model(str(name_or_path)))
+    if directory.is_file():
+        raise FileNotFoundError(f"{directory} is a file but not a .gguf one: give a model folder (with "
+                                f"{CONFIG_FILE}), a .gguf file or a registered name")
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            hint = (f" (a training run's model is in {directory / 'model'})"
+                    if (directory / "model" / CONFIG_FILE).is_file() else "")
+            raise FileNotFoundError(f"no {name} in {directory}: not a model saved by MosaicGPT.save_pretrained{hint}")
+    return kind, directory
 
 
 def check_finite_weights(model, source: str | os.PathLike) -> None:

@@ -14,7 +14,7 @@ import argparse
 import sys
 import warnings
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
 from llm.data.text_tokenizer import IncrementalText
 from llm.utils.tokens import common_prefix
 
@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     """Run the chat until an empty line or end of input; returns the exit status (2 for a bad input)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if unknown_model(args.model):
-        parser.error(unknown_model(args.model))
+    if model_problem(args.model):
+        parser.error(model_problem(args.model))
     import torch
 
     from llm.cache import DynamicCache

@@ -15,14 +15,17 @@ class CliError(ValueError):
     """A bad command-line input, printed as one line with exit status 2."""
 
 
-def unknown_model(name: str) -> str | None:
-    """The one-line error for a ``--model`` that is neither an existing path nor a registered name
-    (:func:`llm.utils.pretrained.unknown_model`), or None: checked before anything loads."""
-    from pathlib import Path
+def model_problem(name: str) -> str | None:
+    """Why ``--model NAME`` cannot load (no such path or registered name, a folder that is not a
+    model, a file that is not ``.gguf``: :func:`llm.bundle.locate`), as one line, or None; checked
+    before anything loads."""
+    from llm.bundle import locate
 
-    from llm.utils.pretrained import PRETRAINED, unknown_model as message
-
-    return None if Path(name).exists() or name in PRETRAINED else message(name)
+    try:
+        locate(name)
+    except FileNotFoundError as err:
+        return str(err)
+    return None
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from llm.cli.common import (BACKEND_HELP, QUANTIZE_HELP, THREADS_HELP, ArgumentParser, CliError, integer,
-                            load_yaml_config, set_threads, unknown_model)
+                            load_yaml_config, model_problem, set_threads)
 
 
 def _parser(prog: str = "eval.py") -> argparse.ArgumentParser:
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None, prog: str = "eval.py") -> int:
         cfg = load_yaml_config(args.config, args.overrides)
         if args.model is None and not cfg.get("load_path"):
             raise CliError("give load_path=CHECKPOINT or --model DIR_OR_NAME")
-        if args.model is not None and unknown_model(args.model):
-            raise CliError(unknown_model(args.model))
+        if args.model is not None and model_problem(args.model):
+            raise CliError(model_problem(args.model))
         from llm.train.evaluate import default_output, evaluate, format_table, write_report
 
         set_threads(args.threads)

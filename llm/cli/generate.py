@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
 from llm.generation.config import load_generation_config
 from llm.bundle import check_tokenizer_fits
 from llm.data.text_tokenizer import IncrementalText
@@ -216,10 +216,12 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     prompts = _prompts(args, parser)
-    if unknown_model(args.model):
-        parser.error(unknown_model(args.model))
+    if model_problem(args.model):
+        parser.error(model_problem(args.model))
     if args.speculative == "draft" and not args.draft_model:
         parser.error("--speculative draft needs --draft-model")
+    if args.draft_model is not None and model_problem(args.draft_model):
+        parser.error("--draft-model " + model_problem(args.draft_model))
     if args.prompt_cache is not None:
         if not args.system:
             parser.error("--prompt-cache holds the --system prefix: give a non-empty --system too")

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, set_threads, unknown_model
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
 
 
 def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
@@ -125,14 +125,14 @@ def main(argv: list[str] | None = None, prog: str = "serve.py") -> int:
     does not exist, 1 if it cannot listen or the model fails to load)."""
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if unknown_model(args.model):
-        parser.error(unknown_model(args.model))
+    if model_problem(args.model):
+        parser.error(model_problem(args.model))
     if args.speculative == "draft" and args.draft_model is None:
         parser.error("--speculative draft needs --draft-model (a smaller model with the same tokenizer)")
     if args.draft_model is not None and args.speculative != "draft":
         parser.error(f"--draft-model drafts only with --speculative draft (got --speculative {args.speculative})")
-    if args.draft_model is not None and unknown_model(args.draft_model):
-        parser.error("--draft-model " + unknown_model(args.draft_model))
+    if args.draft_model is not None and model_problem(args.draft_model):
+        parser.error("--draft-model " + model_problem(args.draft_model))
     # Listen before anything starts, so that a taken port or an unknown host is one line here.
     try:
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET

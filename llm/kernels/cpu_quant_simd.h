@@ -758,7 +758,11 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   F topv = fset(-inf);
   for (int64_t i = 0; i < V; i += kLanes) topv = fmax(fload_n(logits + i, V - i, -inf), topv);
   const float top = fmaxr(topv) / temperature;
-  if (!std::isfinite(top)) return 0;  // no finite logit (NaN ones are refused before): nothing to draw
+  if (top == inf) {  // an infinite logit (or one that overflows at this temperature) is the token
+    for (int64_t i = 0; i < V; ++i)
+      if (logits[i] / temperature == inf) return i;
+  }
+  if (!std::isfinite(top)) return 0;  // no finite logit: nothing to draw (NaN ones count as none)
   float* e = x;
   double total = exp_shifted(logits, V, temperature, floor_, top, e);  // the top token's exp is 1
   if (min_p > 0.f) {

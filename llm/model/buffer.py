@@ -20,6 +20,7 @@ from llm.kernels import cpu_quant
 from llm.layers.blocks import MosaicGPTBlock, decoder_blocks, forward_blocks
 from llm.layers.linear import linear
 from llm.layers.positions import alibi_slopes
+from llm.model import inputs
 
 
 def masked_keys_unread(model) -> bool:
@@ -188,8 +189,9 @@ class FusedSteps:
     (tested). Where the fused blocks do not run (other weights, ALiBi, a gradient wanted, a
     learned position past ``max_seq_len``, a new position that is padding), a step is
     ``forward`` itself, errors included. The cache is checked and claimed (:meth:`~llm.cache.Cache.claim`)
-    when the steps are set up, not at every step: weights written in place between two steps go
-    unnoticed.
+    when the steps are set up (again whenever the cache, the batch or the mask's earlier columns
+    are not what the last step left), not at every step: weights written in place between two
+    steps go unnoticed.
 
     Args:
         model: a :class:`~llm.model.MosaicGPT`.
@@ -212,16 +214,19 @@ class FusedSteps:
         """
         model, cache = self.model, self.cache
         past = cache.get_seq_length()
-        x = model.wte(input_ids)
+        x = inputs.embed(model, input_ids, None)  # forward's checks of the ids
         run = fused_weights(model, x)
         if (run is None or run.shape is None or model.config.alibi or input_ids.shape[1] != 1
                 or (model.wpe is not None and past + 1 > model.config.max_seq_len)
                 or (attention_mask is not None and (tuple(attention_mask.shape) != (x.shape[0], past + 1)
                                                     or not bool(attention_mask[:, -1].all())))):
             return self._forward(input_ids, attention_mask)
+        mask = attention_mask.to(torch.bool) if attention_mask is not None else None
         if (past != self._past or self._keys is None or past + 1 > self._keys[0].shape[2]
-                or cache.storage(0)[0] is not self._keys[0]):
-            self._set_up(x, past, attention_mask)
+                or cache.storage(0)[0] is not self._keys[0] or x.shape[0] != self._key_mask.shape[0]
+                or (mask is None) != (self._shift is None)
+                or (mask is not None and not torch.equal(mask[:, :past], self._key_mask[:, 0, :past]))):
+            self._set_up(x, past, mask)
         if self._keys is None:  # storage the kernel does not take
             return self._forward(input_ids, attention_mask)
         self._key_mask[:, 0, past] = True

@@ -146,6 +146,11 @@ def test_a_prompt_cache_from_another_model_or_unreadable_is_recomputed_and_said(
         (["--prompt", "a", "--system", "s", "--prompt-cache", "/"], "--prompt-cache / is a folder: give a file name"),
         (["--prompt", "a", "--system", "s", "--prompt-cache", "/no/such/x.cache"], "no folder /no/such to keep it in"),
         (["--model", "nosuch", "--prompt", "a"], "nosuch: no such model folder or .gguf file, and not a registered name"),
+        # a wrong --model is named as such, before the tokenizer (loaded first) could complain
+        (["--model", "/", "--prompt", "a"], "no config.yaml in /: not a model saved by MosaicGPT.save_pretrained"),
+        (["--model", "/etc/passwd", "--prompt", "a"], "/etc/passwd is a file but not a .gguf one"),
+        (["--model", "/no/such.gguf", "--prompt", "a"], "no GGUF file at /no/such.gguf"),
+        (["--prompt", "a", "--speculative", "draft", "--draft-model", "nosuch"], "--draft-model nosuch: no such model"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(bundle, capsys, argv, message):

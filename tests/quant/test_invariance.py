@@ -221,3 +221,31 @@ def test_argmax_rows_is_torchs_argmax(rows, n, infinite, nan, rnd):
         x[torch.tensor([[rnd.random() < share for _ in range(n)] for _ in range(rows)])] = value
     assert torch.equal(cpu_quant.argmax_rows(x), x.argmax(-1))
     assert torch.equal(torch.ops.llm.argmax_rows(x), x.argmax(-1))
+
+
+@torch.no_grad()
+def test_decoding_steps_follow_a_changed_mask_and_refuse_what_forward_refuses():
+    """A mask whose earlier columns change between steps (or that appears) is taken as forward
+    takes it; bad ids and a batch that does not fit the cache raise forward's ValueErrors."""
+    model = model_for("int4", 2)
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    cache, reference = DynamicCache(), DynamicCache()
+    for c in (cache, reference):
+        model(ids, past_key_values=c)
+    steps = model.decoding_steps(cache)
+    nxt = torch.tensor([[5], [7]])
+    assert torch.equal(steps(nxt), model(nxt, past_key_values=reference).logits[:, -1])
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[1, :2] = False  # row 1's first two positions are now padding
+    assert torch.equal(steps(nxt, mask), model(nxt, attention_mask=mask, past_key_values=reference).logits[:, -1])
+    for bad in (torch.tensor([[97], [1]]), torch.tensor([[-1], [1]])):
+        with pytest.raises(ValueError, match="vocabulary"):
+            steps(bad)
+    with pytest.raises(ValueError, match="batch size"):
+        steps(torch.tensor([[1]]))
+
+
+def test_sample_row_takes_an_infinite_logit():
+    """The largest logit infinite, or overflowing at the temperature: that token, as argmax."""
+    assert torch.ops.llm.sample_row(torch.tensor([0.0, 1.0, float("inf"), 1.0]), 1.0, 0, 1.0, 0.0, 0.3) == 2
+    assert torch.ops.llm.sample_row(torch.tensor([0.0, 3e38, 1.0]), 0.5, 0, 0.9, 0.0, 0.7) == 1

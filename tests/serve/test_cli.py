@@ -67,6 +67,9 @@ def test_the_script_serves_a_bundle_until_interrupted(bundle, quantization, tmp_
 
 
 def test_a_model_that_cannot_load_ends_the_server_with_one_line(tmp_path):
+    # a folder that looks like a bundle (so it passes the check before anything loads) but is not one
+    (tmp_path / "config.yaml").write_text("d_model: [\n")
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     done = subprocess.run([*SCRIPT, "--model", str(tmp_path), "--port", "0"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1
@@ -78,6 +81,7 @@ def test_what_cannot_start_is_one_line_before_anything_loads(bundle, tmp_path):
     port = taken.getsockname()[1]
     for argv, status, message in [
         (["--model", str(tmp_path / "missing")], 2, "missing: no such model folder or .gguf file, and not a registered name"),
+        (["--model", str(tmp_path)], 2, f"no config.yaml in {tmp_path}: not a model saved by MosaicGPT.save_pretrained"),
         (["--model", str(bundle), "--port", "99999"], 2, "argument --port: must be an integer <= 65535, got 99999"),
         (["--model", str(bundle), "--port", str(port)], 1, f"cannot listen on 127.0.0.1:{port}: Address already in use"),
         (["--model", str(bundle), "--host", "no-such-host.invalid"], 1, "cannot listen on no-such-host.invalid:8000"),
