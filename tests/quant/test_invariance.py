@@ -20,17 +20,31 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 _MODELS: dict = {}
 
 
-def model_for(quantization: str, kv_n_heads: int):
-    """A small Llama (head_dim 16, 4 query heads) on our kernels, made once per test session."""
-    key = (quantization, kv_n_heads)
+def model_for(quantization: str, kv_n_heads: int, learned: bool = False):
+    """A small Llama (head_dim 16, 4 query heads) on our kernels, made once per test session;
+    ``learned``: with learned positions instead of rotary ones."""
+    key = (quantization, kv_n_heads, learned)
     if key not in _MODELS:
+        positions = dict(learned_pos_emb=True, rope=False) if learned else {}
         _MODELS[key] = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, vocab_size=97,
-                                  max_seq_len=256, quantization=quantization, kernels="llm", seed=kv_n_heads)
+                                  max_seq_len=256, quantization=quantization, kernels="llm", seed=kv_n_heads,
+                                  **positions)
     return _MODELS[key]
 
 
 models = st.tuples(st.sampled_from(["int4", "int8", "q8_0", "q4_0"]), st.sampled_from([1, 2, 4]))
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids (n_i,) as one left-padded batch: (ids (rows, longest), mask (rows, longest) bool)."""
+    width = max(len(ids) for ids in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, ids in enumerate(rows):
+        batch[r, width - len(ids):] = ids
+        mask[r, width - len(ids):] = True
+    return batch, mask
 
 
 def alone(model, ids: torch.Tensor) -> torch.Tensor:
@@ -60,12 +74,8 @@ def test_cached_logits_are_the_uncached_ones_whatever_the_chunks(spec, length, c
 def test_a_row_in_a_left_padded_batch_is_the_row_alone(spec, lengths, rnd):
     model = model_for(*spec)
     rows = [torch.tensor([rnd.randrange(97) for _ in range(n)]) for n in lengths]
-    width = max(lengths)
-    batch = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for r, ids in enumerate(rows):
-        batch[r, width - len(ids):] = ids
-        mask[r, width - len(ids):] = True
+    batch, mask = left_padded(rows)
+    width = batch.shape[1]
     logits = model(batch, attention_mask=mask).logits
     for r, ids in enumerate(rows):
         assert torch.equal(logits[r, width - len(ids):], alone(model, ids))
@@ -149,21 +159,10 @@ def test_decoding_steps_give_the_forwards_logits(spec, learned, lengths, steps, 
     """model.decoding_steps (the thin one-token step generate takes) == forward, bit for bit, on
     left-padded batches, over a cache that grows (or was sized up front) and is cropped between
     steps (a rejected draft), as speculative decoding does; rotary or learned positions."""
-    if learned:
-        key = ("learned", *spec)
-        if key not in _MODELS:
-            _MODELS[key] = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=spec[1], vocab_size=97, max_seq_len=256,
-                                      learned_pos_emb=True, rope=False, quantization=spec[0], kernels="llm")
-        model = _MODELS[key]
-    else:
-        model = model_for(*spec)
+    model = model_for(*spec, learned=learned)
     rows = [torch.tensor([rnd.randrange(97) for _ in range(n)]) for n in lengths]
-    width = max(lengths)
-    batch = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for r, ids in enumerate(rows):
-        batch[r, width - len(ids):] = ids
-        mask[r, width - len(ids):] = True
+    batch, mask = left_padded(rows)
+    width = batch.shape[1]
     padded = not bool(mask.all())
     caches = [DynamicCache().expect(width + steps) if expect else DynamicCache(), DynamicCache()]
     for cache in caches:
