@@ -370,6 +370,18 @@ def _native_layer(parts, bias, act, backend: str, device: torch.device) -> torch
     return None
 
 
+def _into(pages, module) -> None:
+    """Move ``module``'s kernel tensors (codes, scales, mins: ``kernel_tensors()``) into ``pages``
+    (:class:`llm.kernels.cpu_quant.HugePages`), as long as they fit; the copies are the same values."""
+    if module.kernel_tensors() is None:
+        return
+    for key in ("weight", "kernel_scales", "kernel_mins"):
+        tensor = module._buffers.get(key)
+        copy = pages.copy(tensor) if tensor is not None else None
+        if copy is not None:
+            module._buffers[key] = copy
+
+
 def _release(reader, parts) -> None:
     """Give back the memory-mapped file pages of ``parts``' tensors once converted: a read page of a
     mapping stays in the process's memory while the mapping lives, so a load would otherwise hold
@@ -458,10 +470,18 @@ def load_gguf(
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
+    # the blocks' kernel tensors side by side in huge pages: room for the file's bytes and each
+    # matrix's rows padded to 16 (an unused rest of the region costs nothing)
+    pages = None
+    if model.device.type == "cpu" and backend != "torch" and cpu_quant.available(model.device):
+        pages = cpu_quant.HugePages(sum(int(t.n_bytes) * 17 // 16 + 4096
+                                        for name in projections(model) for t, _ in sources[name + ".weight"]))
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
         module = _native_layer(parts, linear.bias, act, backend, model.device)
+        if module is not None and pages is not None:
+            _into(pages, module)
         if module is None:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
