@@ -84,24 +84,30 @@ def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def step_bytes(model: MosaicGPT) -> int:
-    """Bytes of the model's weights (parameters and buffers, each storage once): what a decode
+    """Bytes of the model's weights (parameters and buffers, each tensor once): what a decode
     step reads, all of it, but for the embedding's other rows (a tied output layer reads them)
-    and the float ``scales`` a layer on our kernels keeps beside the ``kernel_scales`` they read."""
+    and the float ``scales`` a layer on our kernels keeps beside the ``kernel_scales`` it reads.
+    Tensors are counted, not their storages: a load puts the blocks' kernel tensors in one
+    region of huge pages (``cpu_quant.HugePages``), larger than they are."""
     seen, total = set(), 0
+
+    def count(tensor: torch.Tensor) -> None:
+        nonlocal total
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+
     for module in model.modules():
         scales = getattr(module, "scales", None)
         if getattr(module, "kernel", None) == "llm" and hasattr(module, "kernel_scales") and scales is not None:
-            seen.add(scales.untyped_storage().data_ptr())
+            seen.add((scales.data_ptr(), scales.numel() * scales.element_size()))
     for tensor in [*model.parameters(), *model.buffers()]:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        count(tensor)
     for module in model.modules():  # quantized layers keep their packed blocks as attributes
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
-                seen.add(value.untyped_storage().data_ptr())
-                total += value.untyped_storage().nbytes()
+            if isinstance(value, torch.Tensor):
+                count(value)
     return total
 
 
