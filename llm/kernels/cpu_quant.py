@@ -37,6 +37,7 @@ import functools
 import hashlib
 import io
 import logging
+import math
 import mmap
 import time
 import warnings
@@ -312,16 +313,20 @@ class HugePages:
         self._arena = torch.frombuffer(self._region, dtype=torch.uint8)
         self._used = -self._arena.data_ptr() % HUGE_PAGE  # from the first huge page boundary
 
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """A copy of the CPU ``tensor`` in the region, at a 64-byte boundary (a view of the
-        region's storage, which it keeps alive), or None if it no longer fits."""
-        size = tensor.numel() * tensor.element_size()
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialized tensor in the region, at a 64-byte boundary (a view of the region's
+        storage, which it keeps alive), or None if it no longer fits."""
+        size = math.prod(shape) * dtype.itemsize
         if self._used + size > self._arena.numel():
             return None
-        view = self._arena[self._used:self._used + size].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
+        view = self._arena[self._used:self._used + size].view(dtype).view(shape)
         self._used += -(-size // 64) * 64
         return view
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the CPU ``tensor`` in the region (see :meth:`empty`), or None if it no longer fits."""
+        view = self.empty(tuple(tensor.shape), tensor.dtype)
+        return None if view is None else view.copy_(tensor)
 
 
 def _require() -> None:

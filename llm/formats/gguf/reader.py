@@ -238,7 +238,7 @@ def _float(parts, path) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _int8_rows(parts, reader, pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_rows(parts, reader, pack: bool = False, pages=None) -> tuple[torch.Tensor, torch.Tensor]:
     """An output layer or embedding as int8 codes and scales from its GGUF tensor: a Q8_0 tensor's
     own codes and scales per 32 (:func:`q8_0_blocks`, scales (rows, cols // 32)), any other type
     quantized per row (:func:`llm.quant.modules.int8_rows`, scales (rows,)). A block of rows at a
@@ -246,13 +246,15 @@ def _int8_rows(parts, reader, pack: bool = False) -> tuple[torch.Tensor, torch.T
     table, or the table's file pages beside its codes, would be most of a 4-bit model's peak
     memory. With ``pack`` the codes come in our int8 kernel's layout
     (:func:`llm.kernels.cpu_quant.pack_int8`), packed block by block rather than as a second copy
-    of the table."""
+    of the table; with ``pages`` (:class:`llm.kernels.cpu_quant.HugePages`) too, into huge pages
+    where they fit."""
     (tensor, _), = parts  # one source, never permuted (only query and key rows are)
     rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])
     row_bytes = int(tensor.n_bytes) // rows
     native = tensor.tensor_type.name == "Q8_0"  # kept as the file's groups of 32
-    codes = (torch.empty(-(-rows // cpu_quant.LANES), cols // 4, cpu_quant.LANES, 4, dtype=torch.int8) if pack
-             else torch.empty(rows, cols, dtype=torch.int8))
+    shape = (-(-rows // cpu_quant.LANES), cols // 4, cpu_quant.LANES, 4) if pack else (rows, cols)
+    codes = pages.empty(shape, torch.int8) if pack and pages is not None else None
+    codes = torch.empty(shape, dtype=torch.int8) if codes is None else codes
     scales = torch.empty((rows, cols // 32) if native else rows, dtype=torch.float32)
     for start in range(0, rows, _HEAD_ROWS):
         block = slice(start, start + _HEAD_ROWS)
@@ -470,12 +472,12 @@ def load_gguf(
 
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
-    # the blocks' kernel tensors side by side in huge pages: room for the file's bytes and each
-    # matrix's rows padded to 16 (an unused rest of the region costs nothing)
+    # the blocks' kernel tensors and the output layer's codes side by side in huge pages: room for
+    # the file's bytes and each matrix's rows padded to 16 (an unused rest of the region costs nothing)
     pages = None
     if model.device.type == "cpu" and backend != "torch" and cpu_quant.available(model.device):
-        pages = cpu_quant.HugePages(sum(int(t.n_bytes) * 17 // 16 + 4096
-                                        for name in projections(model) for t, _ in sources[name + ".weight"]))
+        pages = cpu_quant.HugePages(sum(int(t.n_bytes) * 17 // 16 + 4096 for name in [*projections(model), head]
+                                        for t, _ in sources[name + ".weight"]))
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
@@ -497,7 +499,7 @@ def load_gguf(
         _release(reader, parts)
         if i % _TRIM_EVERY == _TRIM_EVERY - 1:  # the unpacked codes freed, back to the OS (about 1 ms a trim)
             release_freed_memory()
-    quantize_head(model, _int8_rows(sources[head + ".weight"], reader, head_packs(model, backend)), act, backend)
+    quantize_head(model, _int8_rows(sources[head + ".weight"], reader, head_packs(model, backend), pages), act, backend)
     _release(reader, sources[head + ".weight"])
     report.quantized.append(head)
     model.quantization = report
