@@ -244,13 +244,14 @@ class Decoding:
         self.logits_to_keep = self.prompt_len - int(self.last.min())
 
     def _forward(self, new: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        self.stats["forward_passes"] += 1
         if self.static is not None:  # all positions fed: (batch, n, vocab)
-            self.stats["forward_passes"] += 1
             return self.static.forward(new)
+        if new.dim() == 2 and new.shape[1] == 1 and logits_to_keep == 1:  # one token: the thin step
+            return self.steps(new, self.mask if self.padded else None)[:, None]
         key = "input_ids" if new.dim() == 2 else "inputs_embeds"
         out = self.model(**{key: new}, attention_mask=self.mask if self.padded else None,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
-        self.stats["forward_passes"] += 1
         return out.logits
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -291,11 +292,7 @@ class Decoding:
         if self.padded and self.static is None:  # the static decoder keeps its own key mask
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         if draft is None or draft.numel() == 0:
-            if self.steps is not None:
-                self.stats["forward_passes"] += 1
-                logits = self.steps(last[:, None], self.mask if self.padded else None)
-            else:
-                logits = self._forward(last[:, None])[:, -1]
+            logits = self._forward(last[:, None])[:, -1]
             chunk = self._emit(self.sampler.pick(logits, self.seen)[:, None])
             if self.schedule is not None:
                 self.schedule.step_done(0, 0)

@@ -738,6 +738,26 @@ inline double exp_shifted(const float* x, int64_t n, float t, float floor_, floa
   return sum;
 }
 
+// Of the tokens ids[0..n) (ascending; ids null: 0..n-1) of probability p = e * inv > 0, the first
+// whose running sum of p (double) exceeds u times their total; the last one where rounding leaves
+// none (Sampler.draw's inverse transform).
+inline int64_t inverse_transform(const int64_t* ids, int64_t n, const float* e, float inv, double u) {
+  double total = 0.0;
+  int64_t last = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = ids ? ids[k] : k;
+    if (e[i] * inv > 0.f) total += e[i] * inv, last = i;
+  }
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t i = ids ? ids[k] : k;
+    const float p = e[i] * inv;
+    if (p > 0.f && (running += p) > target) return i;
+  }
+  return last;
+}
+
 // One row's next token as Sampler.probs + Sampler.draw give it (llm/generation/sampling.py):
 // logits / temperature; the top_k largest kept (0: all); min_p: tokens whose probability is at
 // least min_p times the top one's (0: all); top_p: the smallest set, by descending probability
@@ -766,10 +786,10 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   float* e = x;
   double total = exp_shifted(logits, V, temperature, floor_, top, e);  // the top token's exp is 1
   if (min_p > 0.f) {
-    const float inv = static_cast<float>(1.0 / total), floor_ = min_p * inv;
+    const float inv = static_cast<float>(1.0 / total), least = min_p * inv;
     total = 0.0;
     for (int64_t i = 0; i < V; ++i) {
-      if (e[i] * inv < floor_) e[i] = 0.f;
+      if (e[i] * inv < least) e[i] = 0.f;
       total += e[i];
     }
   }
@@ -805,29 +825,8 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   }
   // the distribution as torch's softmax of the kept logits gives it: exp(x - top) times 1 / sum
   const float inv = static_cast<float>(1.0 / total);
-  auto draw = [&](auto&& each) {
-    double cumulative = 0.0;
-    int64_t last = 0;
-    each([&](int64_t i) {
-      const float p = e[i] * inv;
-      if (p > 0.f) cumulative += p, last = i;
-    });
-    const double target = u * cumulative;
-    double running = 0.0;
-    int64_t found = -1;
-    each([&](int64_t i) {
-      const float p = e[i] * inv;
-      if (found < 0 && p > 0.f && (running += p) > target) found = i;
-    });
-    return found >= 0 ? found : last;
-  };
-  if (top_p < 1.f)
-    return draw([&](auto&& f) {
-      for (const int64_t i : support) f(i);
-    });
-  return draw([&](auto&& f) {
-    for (int64_t i = 0; i < V; ++i) f(i);
-  });
+  return top_p < 1.f ? inverse_transform(support.data(), static_cast<int64_t>(support.size()), e, inv, u)
+                     : inverse_transform(nullptr, V, e, inv, u);
 }
 
 inline void sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p, float min_p,

@@ -172,9 +172,16 @@ def decoder_blocks(norms: list[torch.Tensor], weights: list, shape: tuple, keys:
     :func:`llm.kernels.cpu_quant.decoder_blocks` call: ``norms`` and ``weights`` are the blocks'
     (:meth:`MosaicGPTBlock.fused_weights_for`) one after another, ``keys``/``values`` their cache
     storages; ``mask``: bool (batch, seq, capacity). (batch, seq, d_model) -> the same."""
-    cos = sin = None
-    if rotary is not None:
-        cos, sin = rotary.cos[:, 0], rotary.sin[:, 0]
+    cos, sin = (rotary.cos[:, 0], rotary.sin[:, 0]) if rotary is not None else (None, None)
+    return decoder_blocks_at(norms, weights, shape, keys, values, x, cos, sin, cache_position, mask)
+
+
+def decoder_blocks_at(norms: list[torch.Tensor], weights: list, shape: tuple, keys: list[torch.Tensor],
+                      values: list[torch.Tensor], x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                      cache_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`decoder_blocks` with the rotary angles given as they are: ``cos``, ``sin`` float32
+    (batch or 1, seq, head_dim) (:class:`~llm.layers.positions.Rotation`'s, without its heads
+    axis), or both None for no rotation (a decoding step's table rows need no Rotation made)."""
     eps, n_heads, head_dim, out_features = shape
     return cpu_quant.decoder_blocks(x, norms, eps, weights, list(out_features), cos, sin, keys, values,
                                     cache_position, mask, n_heads, 1.0 / math.sqrt(head_dim))

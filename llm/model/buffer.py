@@ -10,14 +10,13 @@ same computation with shapes that do not depend on the position, for compiled de
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from llm.cache import Cache
 from llm.kernels import cpu_quant
-from llm.layers.blocks import MosaicGPTBlock, decoder_blocks, forward_blocks
+from llm.layers.blocks import MosaicGPTBlock, decoder_blocks, decoder_blocks_at, forward_blocks
 from llm.layers.linear import linear
 from llm.layers.positions import alibi_slopes
 from llm.model import inputs
@@ -216,12 +215,11 @@ class FusedSteps:
         past = cache.get_seq_length()
         x = inputs.embed(model, input_ids, None)  # forward's checks of the ids
         run = fused_weights(model, x)
+        mask = attention_mask.to(torch.bool) if attention_mask is not None else None
         if (run is None or run.shape is None or model.config.alibi or input_ids.shape[1] != 1
                 or (model.wpe is not None and past + 1 > model.config.max_seq_len)
-                or (attention_mask is not None and (tuple(attention_mask.shape) != (x.shape[0], past + 1)
-                                                    or not bool(attention_mask[:, -1].all())))):
+                or (mask is not None and (tuple(mask.shape) != (x.shape[0], past + 1) or not bool(mask[:, -1].all())))):
             return self._forward(input_ids, attention_mask)
-        mask = attention_mask.to(torch.bool) if attention_mask is not None else None
         if (past != self._past or self._keys is None or past + 1 > self._keys[0].shape[2]
                 or cache.storage(0)[0] is not self._keys[0] or x.shape[0] != self._key_mask.shape[0]
                 or (mask is None) != (self._shift is None)
@@ -231,18 +229,14 @@ class FusedSteps:
             return self._forward(input_ids, attention_mask)
         self._key_mask[:, 0, past] = True
         cache_position = self._buffer_positions[past:past + 1]
+        position_ids = cache_position[None] if self._shift is None else self._shift + past
         cos = sin = None
-        if self._shift is None:
-            position_ids = cache_position[None]
-        else:
-            position_ids = self._shift + past
         if model.rotary is not None:
             cos, sin = model.rotary.table_rows(position_ids, past)
         elif model.wpe is not None:
             x = x + model.wpe(position_ids)
-        eps, n_heads, head_dim, out_features = run.shape
-        x = cpu_quant.decoder_blocks(x, run.norms, eps, run.weights, list(out_features), cos, sin, self._keys,
-                                     self._values, cache_position, self._key_mask, n_heads, 1.0 / math.sqrt(head_dim))
+        x = decoder_blocks_at(run.norms, run.weights, run.shape, self._keys, self._values, x, cos, sin,
+                              cache_position, self._key_mask)
         cache.set_seq_length(past + 1)
         self._past = past + 1
         return output_logits(model, x, True)[:, -1]

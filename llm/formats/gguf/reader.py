@@ -473,7 +473,8 @@ def load_gguf(
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
     # the blocks' kernel tensors and the output layer's codes side by side in huge pages: room for
-    # the file's bytes and each matrix's rows padded to 16 (an unused rest of the region costs nothing)
+    # the file's bytes and each matrix's rows padded to 16 (an unused rest of the region costs
+    # nothing; a layer requantized to more bytes than the file's may not fit, and stays outside)
     pages = None
     if model.device.type == "cpu" and backend != "torch" and cpu_quant.available(model.device):
         pages = cpu_quant.HugePages(sum(int(t.n_bytes) * 17 // 16 + 4096 for name in [*projections(model), head]
@@ -482,8 +483,6 @@ def load_gguf(
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
         module = _native_layer(parts, linear.bias, act, backend, model.device)
-        if module is not None and pages is not None:
-            _into(pages, module)
         if module is None:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
@@ -493,6 +492,8 @@ def load_gguf(
             else:
                 module = Int4Linear.from_float(weight, linear.bias, 32, act, backend)
                 report.kept[name] = f"{'/'.join(types)}: requantized to int4 groups of 32"
+        if pages is not None:
+            _into(pages, module)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, module)
         report.quantized.append(name)
