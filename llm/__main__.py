@@ -1,7 +1,5 @@
 """``python -m llm COMMAND ...``: the ``llm`` command (:mod:`llm.cli.main`)."""
 
-import sys
+from llm.cli.main import launch
 
-from llm.cli.main import main
-
-sys.exit(main())
+launch()

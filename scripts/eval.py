@@ -6,14 +6,13 @@ thread unless OMP_NUM_THREADS says otherwise (small models run faster on one unc
 """
 
 import os
-import sys
 
 import torch
 
-from llm.cli.main import run
+from llm.cli.main import launch
 
 if __name__ == "__main__":
     # Small CPU models run faster on one thread than on two contended ones; GPU runs are unaffected.
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    sys.exit(run("eval", prog="eval.py"))
+    launch("eval", prog="eval.py")

@@ -3,9 +3,7 @@
 A thin wrapper over `llm.cli.generate`; `--help` lists every flag.
 """
 
-import sys
-
-from llm.cli.main import run
+from llm.cli.main import launch
 
 if __name__ == "__main__":
-    sys.exit(run("generate", prog="generate.py"))
+    launch("generate", prog="generate.py")

@@ -3,9 +3,7 @@
 A thin wrapper over :mod:`llm.cli.prepare`; ``--help`` lists every option.
 """
 
-import sys
-
-from llm.cli.main import run
+from llm.cli.main import launch
 
 if __name__ == "__main__":
-    sys.exit(run("prepare", prog="prepare_data.py"))
+    launch("prepare", prog="prepare_data.py")

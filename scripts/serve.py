@@ -3,9 +3,7 @@
 A thin wrapper over `llm.cli.serve`; `--help` lists every flag.
 """
 
-import sys
-
-from llm.cli.main import run
+from llm.cli.main import launch
 
 if __name__ == "__main__":
-    sys.exit(run("serve", prog="serve.py"))
+    launch("serve", prog="serve.py")

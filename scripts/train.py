@@ -4,9 +4,7 @@ Overrides use omegaconf's dotlist syntax, e.g. ``max_duration=20ba model.n_layer
 is checked whole before anything runs, and all the work is in :func:`llm.cli.train.main`.
 """
 
-import sys
-
-from llm.cli.main import run
+from llm.cli.main import launch
 
 if __name__ == "__main__":
-    sys.exit(run("train", prog="train.py"))
+    launch("train", prog="train.py")

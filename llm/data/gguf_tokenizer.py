@@ -105,15 +105,13 @@ def _byte_level_bpe(reader, tokens, types):
     else:
         raise ValueError(f"GGUF file {reader.path}: pre-tokenizer {pre!r} is not supported; supported: "
                          f"{sorted(SUPPORTED_PRE_TOKENIZERS)}")
-    merges = []
-    for merge in _field(reader, "tokenizer.ggml.merges", []):
-        pair = merge.split(" ")
-        if len(pair) != 2:
-            raise ValueError(f"GGUF file {reader.path}: malformed merge {merge!r}")
-        merges.append(tuple(pair))
-    vocab = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
+    merges = [merge.split(" ") for merge in _field(reader, "tokenizer.ggml.merges", [])]
+    bad = next((pair for pair in merges if len(pair) != 2), None)
+    if bad is not None:
+        raise ValueError(f"GGUF file {reader.path}: malformed merge {' '.join(bad)!r}")
+    merges = list(map(tuple, merges))
+    # a token listed twice keeps its first id: the later assignment, walking backwards
+    vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()

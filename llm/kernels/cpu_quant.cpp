@@ -330,7 +330,19 @@ at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales,
 // nibbles 16-31; ggml-quants.c), straight into the int4 layout of this file's header: [codes, scales]
 // for Q4_0 (w = (q - 8) d: symmetric, no mins), [codes, scales, mins] for Q4_1 (w = q d + m), the
 // file's own codes, d and m. One pass instead of unpacking every code to a byte and packing it again.
-std::vector<at::Tensor> gguf_q4_pack_cpu(const at::Tensor& blocks_in, int64_t K) {
+// An output the caller gave (checked to be `shape` and `dtype`, contiguous, on the CPU), or a new zeroed one.
+at::Tensor output_or_new(const c10::optional<at::Tensor>& given, at::IntArrayRef shape, at::ScalarType dtype,
+                         const char* name) {
+  if (!given.has_value()) return at::zeros(shape, at::TensorOptions().dtype(dtype));
+  const at::Tensor& t = *given;
+  TORCH_CHECK(t.is_cpu() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(), name, " must be a contiguous CPU ",
+              dtype, " tensor of shape ", shape, ", got ", t.scalar_type(), " ", t.sizes());
+  return t;
+}
+
+std::vector<at::Tensor> gguf_q4_pack_cpu(const at::Tensor& blocks_in, int64_t K, const c10::optional<at::Tensor>& codes_out,
+                                         const c10::optional<at::Tensor>& scales_out,
+                                         const c10::optional<at::Tensor>& mins_out) {
   TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && K > 0 && K % kGroup == 0,
               "blocks must be uint8 (rows, bytes) and in_features a positive multiple of 32");
   const at::Tensor blocks = blocks_in.contiguous();
@@ -339,13 +351,23 @@ std::vector<at::Tensor> gguf_q4_pack_cpu(const at::Tensor& blocks_in, int64_t K)
               " Q4_0 (18-byte) or Q4_1 (20-byte) blocks");
   const int64_t NB = (rows + kLanes - 1) / kLanes;
   const bool q4_1 = bb == 20;
-  at::Tensor codes = at::zeros({NB, K / 8, kLanes, 4}, blocks.options());
-  at::Tensor scales = at::zeros({NB, G, kLanes}, blocks.options().dtype(at::kHalf));
-  at::Tensor mins = q4_1 ? at::zeros({NB, G, kLanes}, blocks.options().dtype(at::kHalf)) : at::Tensor();
+  TORCH_CHECK(q4_1 || !mins_out.has_value(), "Q4_0 blocks have no mins");
+  at::Tensor codes = output_or_new(codes_out, {NB, K / 8, kLanes, 4}, at::kByte, "codes");
+  at::Tensor scales = output_or_new(scales_out, {NB, G, kLanes}, at::kHalf, "scales");
+  at::Tensor mins = q4_1 ? output_or_new(mins_out, {NB, G, kLanes}, at::kHalf, "mins") : at::Tensor();
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* c = codes.data_ptr<uint8_t>();
   uint16_t* d = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* m = q4_1 ? reinterpret_cast<uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  // the last block's lanes past the rows: zeros (a given output may hold anything)
+  for (int64_t r = rows; r < NB * kLanes; ++r) {
+    const int64_t b = r / kLanes, i = r % kLanes;
+    for (int64_t g = 0; g < G; ++g) {
+      d[(b * G + g) * kLanes + i] = 0;
+      if (m) m[(b * G + g) * kLanes + i] = 0;
+    }
+    for (int64_t s = 0; s < K / 8; ++s) std::memset(c + ((b * (K / 8) + s) * kLanes + i) * 4, 0, 4);
+  }
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / kLanes, i = r % kLanes;
@@ -366,6 +388,59 @@ std::vector<at::Tensor> gguf_q4_pack_cpu(const at::Tensor& blocks_in, int64_t K)
     }
   });
   return q4_1 ? std::vector<at::Tensor>{codes, scales, mins} : std::vector<at::Tensor>{codes, scales};
+}
+
+// GGUF Q8_0 rows, (rows, K / 32 * 34) uint8 as the file holds them (a block of 32 weights: fp16 d,
+// then 32 int8 codes; ggml-quants.c), straight into the int8 layout (blocks, K / 4, 16, 4) of
+// pack_int8 and float32 scales (rows, K / 32), d as a float: the file's own codes and d, in one pass.
+std::vector<at::Tensor> gguf_q8_pack_cpu(const at::Tensor& blocks_in, int64_t K, const c10::optional<at::Tensor>& codes_out,
+                                         const c10::optional<at::Tensor>& scales_out) {
+  TORCH_CHECK(blocks_in.dim() == 2 && blocks_in.scalar_type() == at::kByte && K > 0 && K % kGroup == 0,
+              "blocks must be uint8 (rows, bytes) and in_features a positive multiple of 32");
+  const at::Tensor blocks = blocks_in.contiguous();
+  const int64_t rows = blocks.size(0), G = K / kGroup, row_bytes = blocks.size(1), bb = 2 + kGroup;
+  TORCH_CHECK(row_bytes == G * bb, "rows of ", row_bytes, " bytes are not ", G, " Q8_0 (34-byte) blocks");
+  const int64_t NB = (rows + kLanes - 1) / kLanes, steps = K / 4;
+  at::Tensor codes = output_or_new(codes_out, {NB, steps, kLanes, 4}, at::kChar, "codes");
+  at::Tensor scales = output_or_new(scales_out, {rows, G}, at::kFloat, "scales");
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  int8_t* c = codes.data_ptr<int8_t>();
+  float* d = scales.data_ptr<float>();
+  for (int64_t r = rows; r < NB * kLanes; ++r)
+    for (int64_t s = 0; s < steps; ++s) std::memset(c + (((r / kLanes) * steps + s) * kLanes + r % kLanes) * 4, 0, 4);
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {  // a block of 16 rows at a time, its codes in order
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = std::min(kLanes, rows - b * kLanes);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          at::Half h;
+          std::memcpy(&h, src + (b * kLanes + i) * row_bytes + g * bb, 2);
+          d[(b * kLanes + i) * G + g] = static_cast<float>(h);
+        }
+      int8_t* out = c + b * steps * kLanes * 4;
+      for (int64_t s = 0; s < steps; ++s, out += kLanes * 4) {
+        const int64_t offset = (s / (kGroup / 4)) * bb + 2 + 4 * (s % (kGroup / 4));
+        for (int64_t i = 0; i < n; ++i) std::memcpy(out + 4 * i, src + (b * kLanes + i) * row_bytes + offset, 4);
+      }
+    }
+  });
+  return {codes, scales};
+}
+
+std::vector<at::Tensor> gguf_q4_pack_new(const at::Tensor& blocks, int64_t K) {
+  return gguf_q4_pack_cpu(blocks, K, c10::nullopt, c10::nullopt, c10::nullopt);
+}
+void gguf_q4_pack_into(const at::Tensor& blocks, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& mins) {
+  TORCH_CHECK(mins.has_value() == (blocks.dim() == 2 && blocks.size(1) == K / kGroup * 20),
+              "mins are given for Q4_1 blocks, and only for them");
+  gguf_q4_pack_cpu(blocks, K, codes, scales, mins);
+}
+std::vector<at::Tensor> gguf_q8_pack_new(const at::Tensor& blocks, int64_t K) {
+  return gguf_q8_pack_cpu(blocks, K, c10::nullopt, c10::nullopt);
+}
+void gguf_q8_pack_into(const at::Tensor& blocks, int64_t K, const at::Tensor& codes, const at::Tensor& scales) {
+  gguf_q8_pack_cpu(blocks, K, codes, scales);
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * weight per row of x (rows, D), float32: the fused blocks' norm
@@ -603,7 +678,8 @@ int64_t sample_row_cpu(const at::Tensor& logits_in, double temperature, int64_t 
               "temperature must be > 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1] and u in [0, 1)");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t V = logits.size(0);
-  std::vector<float> scratch(V);
+  thread_local std::vector<float> scratch;  // one allocation a thread: a vocabulary's is mmap'd afresh each time
+  scratch.resize(std::max<size_t>(scratch.size(), V));
   int64_t token = 0;
   LLM_DISPATCH(sample_row(logits.data_ptr<float>(), V, static_cast<float>(temperature), top_k,
                           static_cast<float>(top_p), static_cast<float>(min_p), u, scratch.data(), &token));
@@ -643,6 +719,9 @@ TORCH_LIBRARY(llm, m) {
   m.def("sample_row(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u) -> int");
   m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");
   m.def("gguf_q4_pack(Tensor blocks, int in_features) -> Tensor[]");
+  m.def("gguf_q4_pack_out(Tensor blocks, int in_features, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? mins) -> ()");
+  m.def("gguf_q8_pack(Tensor blocks, int in_features) -> Tensor[]");
+  m.def("gguf_q8_pack_out(Tensor blocks, int in_features, Tensor(a!) codes, Tensor(b!) scales) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, Tensor? bias) -> Tensor");
   m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
         "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
@@ -656,7 +735,10 @@ TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("argmax_rows", &argmax_rows_cpu);
   m.impl("sample_row", &sample_row_cpu);
   m.impl("int8_embedding", &int8_embedding_cpu);
-  m.impl("gguf_q4_pack", &gguf_q4_pack_cpu);
+  m.impl("gguf_q4_pack", &gguf_q4_pack_new);
+  m.impl("gguf_q4_pack_out", &gguf_q4_pack_into);
+  m.impl("gguf_q8_pack", &gguf_q8_pack_new);
+  m.impl("gguf_q8_pack_out", &gguf_q8_pack_into);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("decoder_blocks", &decoder_blocks_cpu);
 }

@@ -222,17 +222,55 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor,
     return packed, _group_lanes(scales), None if mins is None else _group_lanes(mins)
 
 
-def gguf_q4_pack(blocks: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def gguf_q4_pack(blocks: torch.Tensor, in_features: int,
+                 pages: HugePages | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GGUF Q4_0 / Q4_1 rows as the file holds them, uint8 (rows, in_features / 32 * 18 or 20),
     straight into the int4 layout: (codes, scales, mins), the mins None for Q4_0 (symmetric). The
-    same tensors as :func:`pack_int4` of the unpacked codes, d and (Q4_1) m, in one pass.
+    same tensors as :func:`pack_int4` of the unpacked codes, d and (Q4_1) m, in one pass; written
+    into ``pages`` (:class:`HugePages`) where they fit.
 
     Raises:
         RuntimeError: rows that are not whole Q4_0 or Q4_1 blocks, or without the kernels.
     """
     _require()
-    packed = torch.ops.llm.gguf_q4_pack(blocks, in_features)
-    return packed[0], packed[1], packed[2] if len(packed) == 3 else None
+    rows, q4_1 = blocks.shape[0], blocks.shape[1] == in_features // 32 * 20
+    shapes = [(-(-rows // LANES), in_features // 8, LANES, 4), (-(-rows // LANES), in_features // 32, LANES)]
+    out = _outputs(pages, [*zip(shapes, (torch.uint8, torch.float16)), *[(shapes[1], torch.float16)] * q4_1])
+    if out is None:
+        packed = torch.ops.llm.gguf_q4_pack(blocks, in_features)
+        return packed[0], packed[1], packed[2] if len(packed) == 3 else None
+    torch.ops.llm.gguf_q4_pack_out(blocks, in_features, *out[:2], out[2] if q4_1 else None)
+    return out[0], out[1], out[2] if q4_1 else None
+
+
+def gguf_q8_pack(blocks: torch.Tensor, in_features: int, pages: HugePages | None = None,
+                 codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 rows as the file holds them, uint8 (rows, in_features / 32 * 34), straight into
+    our int8 layout: (codes int8 (ceil(rows / 16), in_features / 4, 16, 4) as :func:`pack_int8`'s,
+    scales float32 (rows, in_features / 32), each the file's fp16 d). The codes go into ``codes``
+    when given (a slice of blocks of a larger table), else into ``pages`` (:class:`HugePages`) where
+    they fit.
+
+    Raises:
+        RuntimeError: rows that are not whole Q8_0 blocks, or without the kernels.
+    """
+    _require()
+    rows = blocks.shape[0]
+    if codes is None:
+        codes = pages.empty((-(-rows // LANES), in_features // 4, LANES, 4), torch.int8) if pages is not None else None
+    if codes is None:
+        return tuple(torch.ops.llm.gguf_q8_pack(blocks, in_features))
+    scales = torch.empty((rows, in_features // 32), dtype=torch.float32)
+    torch.ops.llm.gguf_q8_pack_out(blocks, in_features, codes, scales)
+    return codes, scales
+
+
+def _outputs(pages: HugePages | None, specs) -> list[torch.Tensor] | None:
+    """Tensors of (shape, dtype) ``specs`` side by side in ``pages``, or None where there are no
+    pages or they do not all fit."""
+    if pages is None or sum(math.prod(shape) * dtype.itemsize + 64 for shape, dtype in specs) > pages.left():
+        return None
+    return [pages.empty(shape, dtype) for shape, dtype in specs]
 
 
 def _group_lanes(values: torch.Tensor) -> torch.Tensor:
@@ -322,6 +360,14 @@ class HugePages:
         view = self._arena[self._used:self._used + size].view(dtype).view(shape)
         self._used += -(-size // 64) * 64
         return view
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in the region."""
+        return tensor.untyped_storage().data_ptr() == self._arena.untyped_storage().data_ptr()
+
+    def left(self) -> int:
+        """Bytes still free in the region."""
+        return self._arena.numel() - self._used
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A copy of the CPU ``tensor`` in the region (see :meth:`empty`), or None if it no longer fits."""

@@ -35,6 +35,7 @@ inline F fscale2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 inline F fwhere_real(F x, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ), y); }
 // y where x >= lo, else 0 (NaN: 0)
 inline F fwhere_ge(F x, F lo, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
+inline bool fany_positive(F x) { return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ) != 0; }
 inline I izero() { return _mm512_setzero_si512(); }
 inline I iset(int32_t a) { return _mm512_set1_epi32(a); }
 inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -130,6 +131,10 @@ inline F fwhere_real(F x, F y) {
 }
 inline F fwhere_ge(F x, F lo, F y) {
   return {_mm256_and_ps(_mm256_cmp_ps(x.a, lo.a, _CMP_GE_OQ), y.a), _mm256_and_ps(_mm256_cmp_ps(x.b, lo.b, _CMP_GE_OQ), y.b)};
+}
+inline bool fany_positive(F x) {
+  const __m256 zero = _mm256_setzero_ps();
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, zero, _CMP_GT_OQ), _mm256_cmp_ps(x.b, zero, _CMP_GT_OQ))) != 0;
 }
 inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
@@ -740,22 +745,37 @@ inline double exp_shifted(const float* x, int64_t n, float t, float floor_, floa
 
 // Of the tokens ids[0..n) (ascending; ids null: 0..n-1) of probability p = e * inv > 0, the first
 // whose running sum of p (double) exceeds u times their total; the last one where rounding leaves
-// none (Sampler.draw's inverse transform).
+// none (Sampler.draw's inverse transform). Over all tokens, runs of 16 without a positive e are
+// skipped: their p add exact zeros, and at a low temperature most of a vocabulary's exps are 0.
 inline int64_t inverse_transform(const int64_t* ids, int64_t n, const float* e, float inv, double u) {
+  // take(i, p) for the tokens of p = e * inv > 0, in order, until it returns true; over all tokens
+  // the products are made 16 at a time (a scalar product that underflows to a subnormal stalls)
+  alignas(64) float p[kLanes];
+  const auto visit = [&](auto&& take) {
+    if (ids) {
+      for (int64_t k = 0; k < n; ++k) {
+        const float q = e[ids[k]] * inv;
+        if (q > 0.f && take(ids[k], q)) return;
+      }
+      return;
+    }
+    const F invv = fset(inv);
+    for (int64_t b = 0; b < n; b += kLanes) {
+      const F q = fmul(fload_n(e + b, n - b, 0.f), invv);
+      if (!fany_positive(q)) continue;
+      fstore(p, q);
+      for (int64_t j = 0, end = std::min<int64_t>(kLanes, n - b); j < end; ++j)
+        if (p[j] > 0.f && take(b + j, p[j])) return;
+    }
+  };
   double total = 0.0;
   int64_t last = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t i = ids ? ids[k] : k;
-    if (e[i] * inv > 0.f) total += e[i] * inv, last = i;
-  }
+  visit([&](int64_t i, float q) { return total += q, last = i, false; });
   const double target = u * total;
   double running = 0.0;
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t i = ids ? ids[k] : k;
-    const float p = e[i] * inv;
-    if (p > 0.f && (running += p) > target) return i;
-  }
-  return last;
+  int64_t found = last;
+  visit([&](int64_t i, float q) { return (running += q) > target ? (found = i, true) : false; });
+  return found;
 }
 
 // One row's next token as Sampler.probs + Sampler.draw give it (llm/generation/sampling.py):
@@ -770,9 +790,10 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   // dividing by temperature > 0 keeps the order: the largest quotient is the largest logit's
   float floor_ = -inf;  // top-k: the k-th largest quotient
   if (top_k > 0 && top_k < V) {
-    std::vector<float> sorted(V);
+    thread_local std::vector<float> sorted;
+    sorted.resize(V);
     for (int64_t i = 0; i < V; ++i) sorted[i] = logits[i] / temperature;
-    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.end(), std::greater<float>());
+    std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.begin() + V, std::greater<float>());
     floor_ = sorted[top_k - 1];
   }
   F topv = fset(-inf);

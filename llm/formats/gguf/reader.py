@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -246,8 +247,8 @@ def _int8_rows(parts, reader, pack: bool = False, pages=None) -> tuple[torch.Ten
     table, or the table's file pages beside its codes, would be most of a 4-bit model's peak
     memory. With ``pack`` the codes come in our int8 kernel's layout
     (:func:`llm.kernels.cpu_quant.pack_int8`), packed block by block rather than as a second copy
-    of the table; with ``pages`` (:class:`llm.kernels.cpu_quant.HugePages`) too, into huge pages
-    where they fit."""
+    of the table (a Q8_0 table's blocks straight from the file, :func:`llm.kernels.cpu_quant.gguf_q8_pack`);
+    with ``pages`` (:class:`llm.kernels.cpu_quant.HugePages`) too, into huge pages where they fit."""
     (tensor, _), = parts  # one source, never permuted (only query and key rows are)
     rows, cols = int(tensor.shape[-1]), int(tensor.shape[0])
     row_bytes = int(tensor.n_bytes) // rows
@@ -256,8 +257,14 @@ def _int8_rows(parts, reader, pack: bool = False, pages=None) -> tuple[torch.Ten
     codes = pages.empty(shape, torch.int8) if pack and pages is not None else None
     codes = torch.empty(shape, dtype=torch.int8) if codes is None else codes
     scales = torch.empty((rows, cols // 32) if native else rows, dtype=torch.float32)
+    file_rows = _file_rows(tensor) if native and pack else None
     for start in range(0, rows, _HEAD_ROWS):
-        block = slice(start, start + _HEAD_ROWS)
+        block = slice(start, min(rows, start + _HEAD_ROWS))
+        if file_rows is not None:  # the file's blocks straight into the codes' place
+            lanes = slice(start // cpu_quant.LANES, -(-block.stop // cpu_quant.LANES))
+            scales[block] = cpu_quant.gguf_q8_pack(file_rows[block], cols, codes=codes[lanes])[1]
+            _release_bytes(reader, int(tensor.data_offset), int(tensor.data_offset) + block.stop * row_bytes)
+            continue
         if native:
             block_codes, scales[block] = q8_0_blocks(tensor, block)
         else:
@@ -348,25 +355,55 @@ def _joined(parts, convert) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat(column) if len(column) > 1 else column[0] for column in zip(*pieces))
 
 
-def _raw_rows(tensor) -> tuple[torch.Tensor]:
-    """A quantized tensor's bytes, a row of blocks per output: a copy (torch takes no read-only,
-    mapped arrays)."""
-    return (torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True).reshape(int(tensor.shape[1:].prod()), -1)),)
+def _file_rows(tensor) -> torch.Tensor:
+    """A quantized tensor's bytes, a row of blocks per output: a view of the file's read-only
+    mapping, no copy (never written to: what is made from it is packed elsewhere)."""
+    rows = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1:].prod()), -1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(rows)
 
 
-def _native_layer(parts, bias, act, backend: str, device: torch.device) -> torch.nn.Module | None:
+def _raw(parts) -> torch.Tensor:
+    """The bytes of ``parts`` (see :func:`_sources`), a row of blocks per output, each source's rows
+    unpermuted, the sources' rows concatenated: the file's mapping itself for one source taken as
+    it is, else one copy."""
+    views = [_file_rows(t) for t, _ in parts]
+    if len(parts) == 1 and parts[0][1] is None:
+        return views[0]
+    out = torch.empty((sum(len(v) for v in views), views[0].shape[1]), dtype=torch.uint8)
+    start = 0
+    for view, (_, heads) in zip(views, parts):
+        piece = out[start:start + len(view)]
+        if heads:  # as _unpermute, written straight into its place
+            half = len(view) // heads // 2
+            piece.view(heads, 2, half, -1).copy_(view.view(heads, half, 2, -1).transpose(1, 2))
+        else:
+            piece.copy_(view)
+        start += len(view)
+    return out
+
+
+def _native_layer(parts, bias, act, backend: str, device: torch.device, pages=None) -> torch.nn.Module | None:
     """The layer of a tensor whose sources are all Q4_0 / Q4_1, or all Q8_0, on ``device`` with the
-    file's own codes, d and m (rows unpermuted); None for other types. Blocks of one Q4 type go
-    straight into our kernel's layout where it runs (:func:`llm.kernels.cpu_quant.gguf_q4_pack`),
-    others through the unpacked codes (:func:`int4_blocks`)."""
+    file's own codes, d and m (rows unpermuted); None for other types. Where our kernels run, the
+    file's blocks go straight into their layout (:func:`llm.kernels.cpu_quant.gguf_q4_pack`,
+    :func:`~llm.kernels.cpu_quant.gguf_q8_pack`), in ``pages``
+    (:class:`llm.kernels.cpu_quant.HugePages`) where they fit; elsewhere through the unpacked codes
+    (:func:`int4_blocks`, :func:`q8_0_blocks`)."""
     kinds = {t.tensor_type.name for t, _ in parts}
-    if len(kinds) == 1 and kinds <= set(_INT4_BLOCKS) and device.type == "cpu" and backend != "torch" \
-            and cpu_quant.available(device):
-        raw, = _joined(parts, _raw_rows)
-        packed = cpu_quant.gguf_q4_pack(raw, int(parts[0][0].shape[0]))
+    ours = device.type == "cpu" and backend != "torch" and cpu_quant.available(device)
+    in_features = int(parts[0][0].shape[0])
+    if len(kinds) == 1 and kinds <= set(_INT4_BLOCKS) and ours:
+        raw = _raw(parts)
+        packed = cpu_quant.gguf_q4_pack(raw, in_features, pages)
         return Int4Linear.from_kernel_layout(*packed, len(raw), bias, 32, act, backend)
     if kinds <= set(_INT4_BLOCKS):
         return Int4Linear(*(b.to(device) for b in _joined(parts, int4_blocks)), bias, 32, act, backend)
+    if kinds == {"Q8_0"} and ours:
+        raw = _raw(parts)
+        codes, scales = cpu_quant.gguf_q8_pack(raw, in_features, pages)
+        return Int8Linear(codes, scales, bias, act, packed=True, in_features=in_features, backend=backend)
     if kinds == {"Q8_0"}:
         return Int8Linear(*(b.to(device) for b in _joined(parts, q8_0_blocks)), bias, act, backend=backend)
     return None
@@ -379,7 +416,7 @@ def _into(pages, module) -> None:
         return
     for key in ("weight", "kernel_scales", "kernel_mins"):
         tensor = module._buffers.get(key)
-        copy = pages.copy(tensor) if tensor is not None else None
+        copy = pages.copy(tensor) if tensor is not None and not pages.holds(tensor) else None
         if copy is not None:
             module._buffers[key] = copy
 
@@ -482,7 +519,7 @@ def load_gguf(
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
-        module = _native_layer(parts, linear.bias, act, backend, model.device)
+        module = _native_layer(parts, linear.bias, act, backend, model.device, pages)
         if module is None:
             types = sorted({t.tensor_type.name for t, _ in parts})
             weight = _float(parts, reader.path).to(model.device)
