@@ -536,13 +536,13 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, 
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int threads = at::get_num_threads();
   if (avx512()) {
-    llm_avx512::Attention attn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+    llm_avx512::Attention attn(q.data_ptr<float>(), mask.data_ptr<bool>(),
                                bp, B, KV, S, G, D, T, static_cast<float>(scale), threads);
-    llm_avx512::attention(attn, out.data_ptr<float>());
+    llm_avx512::attention(attn, k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
   } else {
-    llm_avx2::Attention attn(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mask.data_ptr<bool>(),
+    llm_avx2::Attention attn(q.data_ptr<float>(), mask.data_ptr<bool>(),
                              bp, B, KV, S, G, D, T, static_cast<float>(scale), threads);
-    llm_avx2::attention(attn, out.data_ptr<float>());
+    llm_avx2::attention(attn, k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
   }
 #endif
   return out.transpose(1, 2);

@@ -481,8 +481,6 @@ void attend(const float* q, int64_t G, const float* k, const float* v, const boo
 // pairs each part is a task of its own (results kept, then merged), with many each pair is a task.
 struct Attention {
   const float* q;     // (B, KV, S, G, D): a pair's G query heads together
-  const float* k;     // (B, KV, T, D), as v
-  const float* v;
   const bool* mask;   // (B, S, T)
   const float* bias;  // (B, H, S, T) or null
   int64_t B, KV, S, G, D, T, pairs, parts;
@@ -493,9 +491,9 @@ struct Attention {
   std::vector<int64_t> starts;
   std::vector<float> top, total, acc;
 
-  Attention(const float* q_, const float* k_, const float* v_, const bool* mask_, const float* bias_, int64_t B_,
+  Attention(const float* q_, const bool* mask_, const float* bias_, int64_t B_,
             int64_t KV_, int64_t S_, int64_t G_, int64_t D_, int64_t T_, float scale_, int64_t threads)
-      : q(q_), k(k_), v(v_), mask(mask_), bias(bias_), B(B_), KV(KV_), S(S_), G(G_), D(D_), T(T_), scale(scale_) {
+      : q(q_), mask(mask_), bias(bias_), B(B_), KV(KV_), S(S_), G(G_), D(D_), T(T_), scale(scale_) {
     pairs = B * KV * S;
     int64_t longest = 0;
     for (int64_t r = 0; r < B * S; ++r) {
@@ -527,8 +525,8 @@ struct Attention {
   // scratch floats a thread needs for task(): scores, and a whole pair's parts when not split
   int64_t scratch() const { return G * kSpan + (split ? 0 : parts * G * (D + 2)); }
 
-  // Part p of pair's keys into tp (G), sp (G), ap (G, D); s: G * kSpan floats.
-  void part(int64_t pair, int64_t p, float* s, float* tp, float* sp, float* ap) const {
+  // Part p of pair's keys (of k and v, (B, KV, T, D) each) into tp (G), sp (G), ap (G, D); s: G * kSpan floats.
+  void part(int64_t pair, int64_t p, const float* k, const float* v, float* s, float* tp, float* sp, float* ap) const {
     const int64_t b = pair / (KV * S), h = (pair / S) % KV, i = pair % S, r = b * S + i;
     const int64_t j0 = starts[r * (parts + 1) + p], j1 = starts[r * (parts + 1) + p + 1];
     const float* kt = k + (b * KV + h) * T * D;
@@ -543,15 +541,16 @@ struct Attention {
     }
   }
 
-  // Task t: one part, kept for merge_kept(), or one pair, merged into out (B, S, H, D).
-  void task(int64_t t, float* scratch_, float* out) {
+  // Task t over keys k and values v (B, KV, T, D): one part, kept for merge_kept(), or one pair,
+  // merged into out (B, S, H, D).
+  void task(int64_t t, const float* k, const float* v, float* scratch_, float* out) {
     if (split) {
       const int64_t at_ = t * G;
-      part(t / parts, t % parts, scratch_, top.data() + at_, total.data() + at_, acc.data() + at_ * D);
+      part(t / parts, t % parts, k, v, scratch_, top.data() + at_, total.data() + at_, acc.data() + at_ * D);
       return;
     }
     float *tp = scratch_ + G * kSpan, *sp = tp + parts * G, *ap = sp + parts * G;
-    for (int64_t p = 0; p < parts; ++p) part(t, p, scratch_, tp + p * G, sp + p * G, ap + p * G * D);
+    for (int64_t p = 0; p < parts; ++p) part(t, p, k, v, scratch_, tp + p * G, sp + p * G, ap + p * G * D);
     merge(t, tp, sp, ap, out);
   }
 
@@ -589,11 +588,12 @@ struct Attention {
   }
 };
 
-// attention over (B, KV, S, G, D) queries into out (B, S, H, D), split over torch's threads
-inline void attention(Attention& attn, float* out) {
+// attention over (B, KV, S, G, D) queries and keys k, values v (B, KV, T, D) into out (B, S, H, D),
+// split over torch's threads
+inline void attention(Attention& attn, const float* k, const float* v, float* out) {
   at::parallel_for(0, attn.tasks(), pace_solo() ? attn.tasks() : 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(attn.scratch());
-    for (int64_t t = t0; t < t1; ++t) attn.task(t, s.data(), out);
+    for (int64_t t = t0; t < t1; ++t) attn.task(t, k, v, s.data(), out);
   });
   if (attn.split)
     at::parallel_for(0, attn.pairs, 1, [&](int64_t p0, int64_t p1) {
@@ -638,7 +638,7 @@ inline void run_blocks(const Blocks& a, float* x) {
                 Nqkv = (H + 2 * KV) * D, hidden = a.hidden;
   std::vector<float> qkv(M * Nqkv), q(M * H * D), act(M * hidden), attn_out(M * H * D);
   const int threads = team_threads(at::get_num_threads());
-  Attention attn(q.data(), a.layers[0].kc, a.layers[0].vc, a.mask, nullptr, a.B, KV, S, G, D, T, a.scale, threads);
+  Attention attn(q.data(), a.mask, nullptr, a.B, KV, S, G, D, T, a.scale, threads);
   std::vector<double> cpu(threads, 0.0);
   int64_t team_size = 1;
   const auto started = std::chrono::steady_clock::now();
@@ -656,6 +656,10 @@ inline void run_blocks(const Blocks& a, float* x) {
       const int64_t base = blocks / team, extra = blocks % team;
       return me * base + std::min(me, extra);
     };
+    // the fused qkv projection is shared in whole heads (head_dim / 16 blocks each), so that each
+    // thread rotates and stores the heads it computed, with no step (and barrier) of its own
+    const int64_t heads = H + 2 * KV, per_head = D / kLanes;
+    const int64_t h0 = share(heads), h1 = h0 + heads / team + (me < heads % team ? 1 : 0);
     auto warm = [&](const QWeight& w) { prefetch_block(w, share(w.blocks)); };
     std::vector<float> s(attn.scratch()), t1(M * kLanes), t2(M * kLanes), h(M * std::max(Dm, hidden));
     Acts acts;
@@ -663,30 +667,29 @@ inline void run_blocks(const Blocks& a, float* x) {
       // x + out_proj(attention(norm_1(x)))
       rms_norm_rows(x, y.n1, M, Dm, a.eps, h.data());
       quantize_acts(h.data(), M, Dm, y.wqkv.group, acts);
-#pragma omp for schedule(static) nowait
-      for (int64_t b = 0; b < y.wqkv.blocks; ++b) project_block(y.wqkv, acts, M, b, qkv.data() + b * kLanes, Nqkv);
-      warm(y.wo);
-#pragma omp barrier
-#pragma omp single
-      attn.k = y.kc, attn.v = y.vc;
-      // rotate the query and key heads; queries to (batch, kv head, seq, group, head_dim), keys and
+      for (int64_t b = h0 * per_head; b < h1 * per_head; ++b)
+        project_block(y.wqkv, acts, M, b, qkv.data() + b * kLanes, Nqkv);
+      // this thread's heads rotated: queries to (batch, kv head, seq, group, head_dim), keys and
       // values to their buffer positions
-#pragma omp for schedule(static)
       for (int64_t m = 0; m < M; ++m) {
         const int64_t b = m / S, i = m % S;
         const float* row = qkv.data() + m * Nqkv;
         const float* c = a.cos ? a.cos + ((b % a.cos_rows) * S + i) * D : nullptr;
         const float* sn = a.sin ? a.sin + ((b % a.cos_rows) * S + i) * D : nullptr;
-        for (int64_t hd = 0; hd < H; ++hd)
-          rotate(row + hd * D, c, sn, D, q.data() + (((b * KV + hd / G) * S + i) * G + hd % G) * D);
-        for (int64_t j = 0; j < KV; ++j) {
-          const int64_t at_ = ((b * KV + j) * T + a.pos[i]) * D;
-          rotate(row + (H + j) * D, c, sn, D, y.kc + at_);
-          std::memcpy(y.vc + at_, row + (H + KV + j) * D, D * sizeof(float));
+        for (int64_t hd = h0; hd < h1; ++hd) {
+          if (hd < H) {
+            rotate(row + hd * D, c, sn, D, q.data() + (((b * KV + hd / G) * S + i) * G + hd % G) * D);
+          } else if (hd < H + KV) {
+            rotate(row + hd * D, c, sn, D, y.kc + ((b * KV + hd - H) * T + a.pos[i]) * D);
+          } else {
+            std::memcpy(y.vc + ((b * KV + hd - H - KV) * T + a.pos[i]) * D, row + hd * D, D * sizeof(float));
+          }
         }
       }
+      warm(y.wo);
+#pragma omp barrier
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < attn.tasks(); ++t) attn.task(t, s.data(), attn_out.data());
+      for (int64_t t = 0; t < attn.tasks(); ++t) attn.task(t, y.kc, y.vc, s.data(), attn_out.data());
       if (attn.split) {
 #pragma omp for schedule(static)
         for (int64_t pair = 0; pair < attn.pairs; ++pair) attn.merge_kept(pair, attn_out.data());
@@ -715,7 +718,7 @@ inline void run_blocks(const Blocks& a, float* x) {
       quantize_acts(act.data(), M, hidden, y.wdown.group, acts);
 #pragma omp for schedule(static) nowait
       for (int64_t b = 0; b < y.wdown.blocks; ++b) add_block(y.wdown, acts, M, b, t1.data(), x, Dm);
-      if (&y != &a.layers.back()) warm((&y + 1)->wqkv);
+      if (&y != &a.layers.back()) prefetch_block((&y + 1)->wqkv, h0 * per_head);
 #pragma omp barrier
     }
     cpu[me] = thread_cpu_s() - cpu0;
