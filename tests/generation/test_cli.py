@@ -2,6 +2,7 @@
 prompt caches on disk, the model's generation config under the flags, no autograd, and one-line exits
 (status 2) on every bad input."""
 
+import re
 import string
 
 import pytest
@@ -206,6 +207,31 @@ def test_the_script_exits_2_with_one_line(bundle, argv, message):
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith("generate.py: error: ") and done.stderr.count("\n") == 1
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("stream", [[], ["--stream"]])
+def test_the_script_ends_its_process_with_everything_written(bundle, capsys, stream):
+    """The real script ends its process without the interpreter's teardown (os._exit, see
+    llm.cli.main.launch): what it prints is all there, as the same command in-process prints it,
+    and the exit status is 0."""
+    import subprocess
+    import sys
+
+    from llm.utils.pretrained import REPO_ROOT
+
+    path, _, _ = bundle
+    argv = ["--model", str(path), "--prompt", "the cat", "--prompt", "a dog", "--temperature", "0",
+            "--max-new-tokens", "40", *stream]
+    assert main(argv) == 0
+    expected = capsys.readouterr()
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == expected.out and done.stdout.startswith("the cat")
+    def counts(err: str) -> str:  # the statistics line without its speeds
+        return re.sub(r"[0-9.]+ tokens/s", "", err)
+
+    assert counts(done.stderr) == counts(expected.err) and "decode: " in done.stderr
 
 
 def test_missing_model_exits_2(capsys, tmp_path):

@@ -53,6 +53,16 @@ def fake_q4_0(rows: int, cols: int, seed: int = 0):
                            shape=np.array([cols, rows]))
 
 
+def fake_q4_1(rows: int, cols: int, seed: int = 0):
+    """A Q4_1 tensor: per block of 32, an fp16 scale, an fp16 minimum and 16 bytes of nibbles."""
+    rng = np.random.default_rng(seed)
+    dm = (rng.random((rows, cols // 32, 2)) * 0.1 - 0.05).astype(np.float16)
+    blocks = np.concatenate([dm.view(np.uint8).reshape(rows, cols // 32, 4),
+                             rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)], axis=-1)
+    return SimpleNamespace(tensor_type=GGMLQuantizationType.Q4_1, data=blocks.reshape(rows, -1),
+                           shape=np.array([cols, rows]))
+
+
 def check_blocks(tensor, rows: int, cols: int) -> None:
     codes, scales, zeros = int4_blocks(tensor)
     reference = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(rows, cols).astype(np.float32))
@@ -109,6 +119,47 @@ def test_q4_blocks_pack_into_the_kernel_layout_in_one_pass():
         check_direct_pack(next(t for t in reader.tensors if t.name == "blk.2.ffn_down.weight"), 576, 1536)
     with pytest.raises(RuntimeError, match="are not 3 Q4_0 .* or Q4_1"):
         cpu_quant.gguf_q4_pack(torch.zeros(4, 3 * 19, dtype=torch.uint8), 96)
+
+
+@pytest.mark.skipif(cpu_quant.unavailable() is not None, reason="needs our CPU kernels")
+@pytest.mark.parametrize("make", [fake_q4_0, fake_q4_1])
+def test_q4_blocks_packed_into_huge_pages_are_the_same_tensors(make):
+    """Packed into a region of huge pages, or into given outputs holding garbage, the file's
+    blocks give the tensors a fresh pack gives (the last block's padding lanes zero too)."""
+    rows, cols = 37, 64  # not a multiple of 16: the last block has padding lanes
+    raw = torch.from_numpy(np.asarray(make(rows, cols, seed=5).data).reshape(rows, -1).copy())
+    expected = cpu_quant.gguf_q4_pack(raw, cols)
+    pages = cpu_quant.HugePages(1 << 16)
+    packed = cpu_quant.gguf_q4_pack(raw, cols, pages)
+    assert all(pages.holds(t) for t in packed if t is not None) and not pages.holds(expected[0])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(packed, expected))
+    # no room left: a fresh pack, the same tensors
+    packed = cpu_quant.gguf_q4_pack(raw, cols, cpu_quant.HugePages(64))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(packed, expected))
+    garbage = [torch.full_like(t, 0x5A) if t.dtype == torch.uint8 else torch.full_like(t, float("nan"))
+               for t in expected if t is not None]
+    torch.ops.llm.gguf_q4_pack_out(raw, cols, *garbage[:2], garbage[2] if len(garbage) == 3 else None)
+    assert all(torch.equal(a, b) for a, b in zip(garbage, expected))
+    with pytest.raises(RuntimeError, match="mins are given for Q4_1 blocks, and only"):
+        torch.ops.llm.gguf_q4_pack_out(raw, cols, *expected[:2], None if len(garbage) == 3 else expected[1])
+
+
+@pytest.mark.skipif(cpu_quant.unavailable() is not None, reason="needs our CPU kernels")
+def test_q8_0_blocks_pack_into_the_int8_layout_in_one_pass():
+    """The file's Q8_0 rows packed in one pass (fresh, into huge pages, or into a slice of a larger
+    table holding garbage) are pack_int8 of q8_0_blocks' codes, with its scales."""
+    rows, cols = 45, 96
+    tensor = fake_q8_0(rows, cols, seed=2)
+    codes, scales = q8_0_blocks(tensor)
+    raw = torch.from_numpy(np.asarray(tensor.data).reshape(rows, -1).copy())
+    for packed in (cpu_quant.gguf_q8_pack(raw, cols), cpu_quant.gguf_q8_pack(raw, cols, cpu_quant.HugePages(1 << 16))):
+        assert torch.equal(packed[0], cpu_quant.pack_int8(codes)) and torch.equal(packed[1], scales)
+    table = torch.full((8, cols // 4, cpu_quant.LANES, 4), 7, dtype=torch.int8)
+    part, part_scales = cpu_quant.gguf_q8_pack(raw[16:], cols, codes=table[2:4])
+    assert part.data_ptr() == table[2:4].data_ptr() and torch.equal(part_scales, scales[16:])
+    assert torch.equal(table[2:4], cpu_quant.pack_int8(codes[16:])) and bool((table[4:] == 7).all())
+    with pytest.raises(RuntimeError, match="are not 3 Q8_0"):
+        cpu_quant.gguf_q8_pack(torch.zeros(4, 3 * 33, dtype=torch.uint8), 96)
 
 
 @needs_file

@@ -171,10 +171,11 @@ def _unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _sources(reader, config: MosaicGPTConfig) -> dict[str, list[tuple[Any, int | None]]]:
+def _sources(reader, config: MosaicGPTConfig, model: MosaicGPT | None = None) -> dict[str, list[tuple[Any, int | None]]]:
     """Where each of MosaicGPT's tensors comes from: a list of (GGUF tensor, heads to unpermute
     or None) whose rows are concatenated (the fused Wqkv takes three). Checked before anything
-    is read: every tensor present, none unexpected, every shape as the config needs.
+    is read: every tensor present, none unexpected, every shape as the config needs (``model``:
+    an empty one of ``config``, made here if not given).
 
     Raises:
         ValueError: for a tensor of a type gguf cannot dequantize (naming tensor and type), an
@@ -224,7 +225,7 @@ def _sources(reader, config: MosaicGPTConfig) -> dict[str, list[tuple[Any, int |
             if shape(t) != want:
                 raise ValueError(f"GGUF file {path}: blk.{i}.{name}.weight has shape {shape(t)}, expected {want}")
         sources[f"blocks.{i}.attn.Wqkv.weight"] = parts
-    expected = MosaicGPT.empty(config).state_dict()
+    expected = (model if model is not None else MosaicGPT.empty(config)).state_dict()
     wrong = [f"{k}: file has {shape(parts[0][0])}, config needs {tuple(expected[k].shape)}"
              for k, parts in sources.items() if len(parts) == 1 and shape(parts[0][0]) != tuple(expected[k].shape)]
     if wrong:
@@ -485,8 +486,8 @@ def load_gguf(
     check_backend(backend, device or "cpu")
     reader = read_gguf(path)
     config = gguf_config(reader, attn_impl=attn_impl)
-    sources = _sources(reader, config)
     model = MosaicGPT.empty(config)
+    sources = _sources(reader, config, model)
     if quantization is None:
         quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16")
                         for name in projections(model) for t, _ in sources[name + ".weight"])
