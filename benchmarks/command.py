@@ -1,6 +1,9 @@
 """The whole command as a user sees it: `scripts/generate.py` on a GGUF file with default flags
 against llama.cpp's Python binding (llama-cpp-python, from `make bench-peers`) on the same file,
-prompt (in the file's chat template) and number of new tokens, each a fresh process.
+prompt (in the file's chat template) and number of new tokens, each a fresh process. Both go on
+past the end-of-text token (ours `--ignore-eos`, theirs the token's logit at -inf, llama.cpp's
+`--ignore-eos`), so that every round writes the same number of tokens whatever its sampled text;
+a round that writes fewer is said.
 
 For each: wall time from start to exit, time to the first streamed byte of the answer (model load
 included), peak RSS (the child's ``ru_maxrss``), and how many tokens it wrote; and, as the floor
@@ -28,14 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 
-# llama-cpp-python's chat completion streams the answer; greedy, the file's own chat template.
+# llama-cpp-python's chat completion streams the answer; greedy, the file's own chat template, the
+# end-of-text token forbidden (llama.cpp's --ignore-eos) so that it writes as many tokens as ours.
 LLAMA_CPP = """
 import sys
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[4]), n_ctx=1024, verbose=False)
 n = 0
 for chunk in llm.create_chat_completion([{"role": "user", "content": sys.argv[2]}], max_tokens=int(sys.argv[3]),
-                                        temperature=0.0, stream=True):
+                                        temperature=0.0, stream=True, logit_bias={llm.token_eos(): float("-inf")}):
     text = chunk["choices"][0]["delta"].get("content")
     if text:
         n += 1
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "import llm": [py, "-c", "import llm"],
         "import llama_cpp": [str(PEERS_PYTHON), "-c", "import llama_cpp"],
         "ours: scripts/generate.py": [py, "scripts/generate.py", "--model", args.model, "--prompt", args.prompt,
-                                      "--chat", "--stream", "--max-new-tokens", str(args.max_new_tokens),
+                                      "--chat", "--stream", "--ignore-eos", "--max-new-tokens", str(args.max_new_tokens),
                                       "--threads", str(args.threads)],
         "llama-cpp-python": [str(PEERS_PYTHON), "-c", LLAMA_CPP, args.model, args.prompt, str(args.max_new_tokens),
                              str(args.threads)],
@@ -109,15 +113,21 @@ def main(argv: list[str] | None = None) -> int:
         row = {k: statistics.median(x[k] for x in results if x[k] is not None)
                for k in ("wall_s", "first_byte_s", "peak_mib") if any(x[k] is not None for x in results)}
         if name.startswith("ours"):
-            row["tokens"] = results[-1]["stderr"].split("decode: ")[1].split()[0]
+            counts = [int(x["stderr"].split("decode: ")[1].split()[0]) for x in results]
             row["over_torch_per_file"] = (row["peak_mib"] - torch_peak) / size_mib
         elif name == "llama-cpp-python":
-            row["tokens"] = results[-1]["stderr"].split("[tokens ")[1].split("]")[0]
+            counts = [int(x["stderr"].split("[tokens ")[1].split("]")[0]) for x in results]
+        else:
+            counts = None
+        if counts is not None:  # the fewest a round wrote: every round should write them all
+            row["tokens"] = min(counts)
+            if row["tokens"] != args.max_new_tokens:
+                print(f"warning: {name} wrote {counts} tokens, not {args.max_new_tokens} each round", file=sys.stderr)
         rows[name] = row
     ours, peer = rows["ours: scripts/generate.py"], rows["llama-cpp-python"]
-    print(f"\n{Path(args.model).name} ({size_mib:.0f} MiB), {args.max_new_tokens} new tokens at most, "
+    print(f"\n{Path(args.model).name} ({size_mib:.0f} MiB), {args.max_new_tokens} new tokens, "
           f"{args.threads} threads, median of {args.rounds} rounds\n")
-    print("| process | wall s | first byte s | peak MiB | tokens |\n| --- | --- | --- | --- | --- |")
+    print("| process | wall s | first byte s | peak MiB | tokens (fewest) |\n| --- | --- | --- | --- | --- |")
     for name, row in rows.items():
         first = f"{row['first_byte_s']:.2f}" if "first_byte_s" in row else ""
         print(f"| {name} | {row['wall_s']:.2f} | {first} | {row['peak_mib']:.0f} | {row.get('tokens', '')} |")

@@ -76,6 +76,9 @@ def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
                    help="CTRL's penalty on tokens already seen (1 is none; above 1 discourages repeats)")
     p.add_argument("--seed", type=_option("seed"), help="seed of the sampler (the same seed gives the same text)")
     p.add_argument("--stop", action="append", help="stop a completion at this string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-text token: always --max-new-tokens tokens (llama.cpp's flag, "
+                        "for benchmarks)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--speculative", choices=["none", "lookup", "draft"], default="none",
                    help="lookup: copy drafts from the prompt (LLMA); draft: a smaller --draft-model")
@@ -192,6 +195,8 @@ def _generation_config(args, tokenizer, prog: str) -> GenerationConfig:
         overrides["eos_token_id"] = tokenizer.eos_token_id
     if base.pad_token_id is None:
         overrides["pad_token_id"] = tokenizer.pad_token_id
+    if args.ignore_eos:
+        overrides["eos_token_id"] = None
     if args.stop:
         overrides["stop_strings"] = args.stop
     if args.speculative != "none":
