@@ -36,6 +36,7 @@ inline F fwhere_real(F x, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x
 // y where x >= lo, else 0 (NaN: 0)
 inline F fwhere_ge(F x, F lo, F y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
 inline bool fany_positive(F x) { return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ) != 0; }
+inline bool fany_ge(F x, F lo) { return _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ) != 0; }
 inline I izero() { return _mm512_setzero_si512(); }
 inline I iset(int32_t a) { return _mm512_set1_epi32(a); }
 inline I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -135,6 +136,9 @@ inline F fwhere_ge(F x, F lo, F y) {
 inline bool fany_positive(F x) {
   const __m256 zero = _mm256_setzero_ps();
   return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, zero, _CMP_GT_OQ), _mm256_cmp_ps(x.b, zero, _CMP_GT_OQ))) != 0;
+}
+inline bool fany_ge(F x, F lo) {
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, lo.a, _CMP_GE_OQ), _mm256_cmp_ps(x.b, lo.b, _CMP_GE_OQ))) != 0;
 }
 inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I iset(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
@@ -741,15 +745,20 @@ inline void run_blocks(const Blocks& a, float* x) {
 // ---- sampling -----------------------------------------------------------------------------------
 
 // e[i] = exp(x[i] / t - top) for x[i] / t >= floor, else 0, over n floats; returns their sum
-// (in double). The quotient is rounded as torch's logits / temperature.
+// (in double). The quotient is rounded as torch's logits / temperature. An exp below float's
+// smallest normal number (x / t - top < -87.34) is 0: subnormal results take the FPU's slow path,
+// which at a low temperature, where most of a vocabulary's exps are that small, made this pass
+// several times slower. Such a weight (1e-38 of the top one's) changes no running sum of the draw
+// that can reach its target; the draw could only have picked it for a uniform number of exactly 0,
+// or in the fallback for one within 2^-53 of 1.
 inline double exp_shifted(const float* x, int64_t n, float t, float floor_, float top, float* e) {
   const float inf = std::numeric_limits<float>::infinity();
-  const F topv = fset(top), tv = fset(t), floorv = fset(floor_);
+  const F topv = fset(top), tv = fset(t), floorv = fset(floor_), least = fset(-87.33654f);  // ln(FLT_MIN)
   double sum = 0.0;
   for (int64_t i = 0; i < n; i += kLanes) {
-    const F v = fdiv(fload_n(x + i, n - i, -inf), tv);
-    // below the floor (top-k's), -inf (past the end too): weight exactly 0
-    const F p = fwhere_ge(v, floorv, fwhere_real(v, exp16(fsub(v, topv))));
+    const F v = fdiv(fload_n(x + i, n - i, -inf), tv), d = fsub(v, topv);
+    // below the floor (top-k's), -inf (past the end too), a subnormal exp: weight exactly 0
+    const F p = fwhere_ge(v, floorv, fwhere_ge(d, least, exp16(fmax(d, least))));
     fstore_n(e + i, p, n - i);
     sum += fsum(p);
   }
@@ -758,37 +767,60 @@ inline double exp_shifted(const float* x, int64_t n, float t, float floor_, floa
 
 // Of the tokens ids[0..n) (ascending; ids null: 0..n-1) of probability p = e * inv > 0, the first
 // whose running sum of p (double) exceeds u times their total; the last one where rounding leaves
-// none (Sampler.draw's inverse transform). Over all tokens, runs of 16 without a positive e are
-// skipped: their p add exact zeros, and at a low temperature most of a vocabulary's exps are 0.
+// none (Sampler.draw's inverse transform, the sums in the same order: the same bits).
+//
+// Over all tokens the products are made 16 at a time, and a run of 16 none of which can change the
+// running sum is skipped: a p below half a unit in the last place of the sum leaves it unchanged
+// (round to nearest), so the skipped additions are exactly those that do nothing. The bound
+// taken, sum * 2^-55, is below every such half unit. Past the few likely tokens of a distribution
+// (at a low temperature most of a vocabulary's p are 1e-20 of the top one's or 0), nearly every
+// run is skipped, where one addition after another (4 cycles each, and a branch on p > 0 that
+// mispredicts) made the draw a tenth of a decoding step.
 inline int64_t inverse_transform(const int64_t* ids, int64_t n, const float* e, float inv, double u) {
-  // take(i, p) for the tokens of p = e * inv > 0, in order, until it returns true; over all tokens
-  // the products are made 16 at a time (a scalar product that underflows to a subnormal stalls)
+  if (ids) {
+    double total = 0.0;
+    int64_t last = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const float q = e[ids[k]] * inv;
+      if (q > 0.f) total += q, last = ids[k];
+    }
+    const double target = u * total;
+    double running = 0.0;
+    for (int64_t k = 0; k < n; ++k) {
+      const float q = e[ids[k]] * inv;
+      if (q > 0.f && (running += q) > target) return ids[k];
+    }
+    return last;
+  }
   alignas(64) float p[kLanes];
-  const auto visit = [&](auto&& take) {
-    if (ids) {
-      for (int64_t k = 0; k < n; ++k) {
-        const float q = e[ids[k]] * inv;
-        if (q > 0.f && take(ids[k], q)) return;
-      }
-      return;
-    }
-    const F invv = fset(inv);
-    for (int64_t b = 0; b < n; b += kLanes) {
-      const F q = fmul(fload_n(e + b, n - b, 0.f), invv);
-      if (!fany_positive(q)) continue;
-      fstore(p, q);
-      for (int64_t j = 0, end = std::min<int64_t>(kLanes, n - b); j < end; ++j)
-        if (p[j] > 0.f && take(b + j, p[j])) return;
-    }
-  };
+  const F invv = fset(inv);
+  // the sum's additions (p = 0 and, here, NaN add nothing), then the run of the last positive p
   double total = 0.0;
+  int64_t last_run = -1;
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const F q = fmul(fload_n(e + b, n - b, 0.f), invv);
+    if (!fany_positive(q)) continue;
+    last_run = b;
+    if (!fany_ge(q, fset(static_cast<float>(total * 0x1p-55)))) continue;
+    fstore(p, q);
+    for (int64_t j = 0, end = std::min<int64_t>(kLanes, n - b); j < end; ++j) total += p[j] > 0.f ? p[j] : 0.f;
+  }
   int64_t last = 0;
-  visit([&](int64_t i, float q) { return total += q, last = i, false; });
+  if (last_run >= 0) {
+    fstore(p, fmul(fload_n(e + last_run, n - last_run, 0.f), invv));
+    for (int64_t j = 0, end = std::min<int64_t>(kLanes, n - last_run); j < end; ++j)
+      if (p[j] > 0.f) last = last_run + j;
+  }
   const double target = u * total;
   double running = 0.0;
-  int64_t found = last;
-  visit([&](int64_t i, float q) { return (running += q) > target ? (found = i, true) : false; });
-  return found;
+  for (int64_t b = 0; b < n; b += kLanes) {
+    const F q = fmul(fload_n(e + b, n - b, 0.f), invv);
+    if (!fany_ge(q, fset(static_cast<float>(running * 0x1p-55))) || !fany_positive(q)) continue;
+    fstore(p, q);
+    for (int64_t j = 0, end = std::min<int64_t>(kLanes, n - b); j < end; ++j)
+      if ((running += p[j] > 0.f ? p[j] : 0.f) > target && p[j] > 0.f) return b + j;
+  }
+  return last;
 }
 
 // One row's next token as Sampler.probs + Sampler.draw give it (llm/generation/sampling.py):
