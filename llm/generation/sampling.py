@@ -105,10 +105,12 @@ class Sampler:
 
         One row on the CPU, where our kernels are loaded, is drawn by ``llm::sample_row``: the
         filters, the distribution and the draw of :meth:`probs` and :meth:`draw` (the same uniform
-        number) in one pass over the vocabulary, 0.06 ms instead of 0.4-0.6 on SmolLM2's (a tenth
-        of a decoding step). It keeps the same tokens but where float rounding differs at the
-        nucleus' edge (a flat distribution over a large vocabulary), and among tied
-        probabilities at that edge keeps the lower ids."""
+        number) in one pass over the vocabulary: 0.04-0.08 ms on SmolLM2's (0.07 within a decoding
+        step) where torch's ops take 0.4-0.6 (a tenth of a step). It keeps the same tokens but where
+        float rounding differs at the nucleus' edge (a flat distribution over a large vocabulary),
+        among tied probabilities at that edge keeps the lower ids, and never draws a token whose
+        probability is below float's smallest normal number (1e-38 of the top one's; the torch path
+        draws one only for a uniform number of exactly 0)."""
         if self.greedy:
             return cpu_quant.argmax_rows(self.scores(logits, seen))
         if (logits.shape[0] == 1 and logits.device.type == "cpu" and not torch.compiler.is_compiling()
