@@ -77,8 +77,8 @@ def build_parser(prog: str = "generate.py") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_option("seed"), help="seed of the sampler (the same seed gives the same text)")
     p.add_argument("--stop", action="append", help="stop a completion at this string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true",
-                   help="go on past the end-of-text token: always --max-new-tokens tokens (llama.cpp's flag, "
-                        "for benchmarks)")
+                   help="go on past the end-of-text and end-of-turn tokens: --max-new-tokens tokens unless a "
+                        "--stop string ends the text first (llama.cpp's flag, for benchmarks)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
     p.add_argument("--speculative", choices=["none", "lookup", "draft"], default="none",
                    help="lookup: copy drafts from the prompt (LLMA); draft: a smaller --draft-model")

@@ -70,8 +70,8 @@ def launch(command: str | None = None, prog: str | None = None) -> NoReturn:
 
     - Python's cyclic garbage collector traverses every live object; after ``import torch`` that is
       about a million objects that live as long as the process, 0.08 s a full pass on a Zen 4 core.
-      :func:`run` pauses the collector while the command's module (and torch) is imported and
-      freezes those objects out of its passes (``gc.freeze``, the method CPython documents for pre-fork
+      ``import llm`` pauses the collector while it imports torch, :func:`run` while the command's
+      module imports the rest, and then freezes those objects out of its passes (``gc.freeze``, the method CPython documents for pre-fork
       servers). What the command makes afterwards is collected as usual.
     - Ending an interpreter that imported torch takes 0.3-0.5 s (the collector's last passes,
       freeing every module, torch's static destructors deregistering its operators). The commands
@@ -82,11 +82,14 @@ def launch(command: str | None = None, prog: str | None = None) -> NoReturn:
     status = run(command, argv, prog, freeze=True) if command is not None else main(argv, freeze=True)
     if name not in QUICK_EXIT:
         sys.exit(status)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BrokenPipeError:  # the reader went away
-        status = status or 141
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: the descriptor was closed (`>&-`)
+                stream.flush()
+        except BrokenPipeError:  # the reader went away
+            status = status or 141
+        except (OSError, ValueError):  # as the interpreter's own exit when a flush fails
+            status = status or 120
     os._exit(status)
 
 

@@ -837,7 +837,8 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   if (top_k > 0 && top_k < V) {
     thread_local std::vector<float> sorted;
     sorted.resize(V);
-    for (int64_t i = 0; i < V; ++i) sorted[i] = logits[i] / temperature;
+    // NaN as -inf: NaN counts as no token, and nth_element's order must be strict
+    for (int64_t i = 0; i < V; ++i) sorted[i] = std::isnan(logits[i]) ? -inf : logits[i] / temperature;
     std::nth_element(sorted.begin(), sorted.begin() + (top_k - 1), sorted.begin() + V, std::greater<float>());
     floor_ = sorted[top_k - 1];
   }
@@ -851,6 +852,11 @@ inline int64_t draw_row(const float* logits, int64_t V, float temperature, int64
   if (!std::isfinite(top)) return 0;  // no finite logit: nothing to draw (NaN ones count as none)
   float* e = x;
   double total = exp_shifted(logits, V, temperature, floor_, top, e);  // the top token's exp is 1
+  if (!(total > 0.0)) {  // no weight left (cannot happen with a finite top): the top token, not a division by 0
+    for (int64_t i = 0; i < V; ++i)
+      if (logits[i] / temperature == top) return i;
+    return 0;
+  }
   if (min_p > 0.f) {
     const float inv = static_cast<float>(1.0 / total), least = min_p * inv;
     total = 0.0;

@@ -234,6 +234,23 @@ def test_the_script_ends_its_process_with_everything_written(bundle, capsys, str
     assert counts(done.stderr) == counts(expected.err) and "decode: " in done.stderr
 
 
+@pytest.mark.parametrize("closed", [">&-", "2>&-"])
+def test_the_script_exits_0_with_a_closed_output(bundle, closed):
+    """A process whose stdout or stderr is closed (Python's sys.stdout is then None) ends as it
+    would through the interpreter's exit: status 0, no traceback."""
+    import shlex
+    import subprocess
+    import sys
+
+    from llm.utils.pretrained import REPO_ROOT
+
+    path, _, _ = bundle
+    command = shlex.join([sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--model", str(path),
+                          "--prompt", "the cat", "--max-new-tokens", "5"])
+    done = subprocess.run(["sh", "-c", f"{command} {closed}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_missing_model_exits_2(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(tmp_path / "nope"), "--prompt", "a"])

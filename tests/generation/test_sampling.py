@@ -1,11 +1,15 @@
 """Sampling filters against hand computations and transformers' processors (the options' checks are in
 test_config.py)."""
 
+import math
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from llm.generation import GenerationConfig, Sampler, filter_logits
+
+NAN = float("nan")
 
 
 def test_top_k_top_p_min_p_keep_the_right_tokens():
@@ -111,3 +115,15 @@ def test_one_row_drawn_by_our_kernel_is_the_token_of_probs_and_draw():
         for _ in range(3):
             assert torch.equal(fast.pick(logits, seen), slow.draw(slow.probs(logits, seen))), (trial, option)
     assert torch.ops.llm.sample_row(torch.tensor([0.0, 5.0, 5.0, 1.0]), 1.0, 0, 0.4, 0.0, 0.99) == 1  # ties: lower id
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("row", [[NAN, 5.0, 1.0, 4.0, 3.0], [5.0, 1.0, 4.0, 3.0, NAN], [NAN, NAN, NAN, 1.0, 2.0]])
+def test_our_kernel_draws_no_nan_logit_and_always_returns(row):
+    """A NaN logit counts as no token, with top-k (whose k-th largest value a NaN made undefined,
+    leaving no weight and the nucleus search looping for ever) and with top-p too."""
+    logits = torch.tensor(row)
+    kept = set(torch.tensor([-math.inf if math.isnan(x) else x for x in row]).topk(2).indices.tolist())
+    for top_p in (1.0, 0.9):
+        for u in (0.0, 0.5, 0.999):
+            assert torch.ops.llm.sample_row(logits, 1.0, 2, top_p, 0.0, u) in kept, (top_p, u)
