@@ -68,8 +68,8 @@ def launch(command: str | None = None, prog: str | None = None) -> NoReturn:
     The entry of the ``llm`` console script, ``python -m llm`` and ``scripts/*.py``; tests call
     :func:`main` or :func:`run`. Two things a process can skip and an in-process call cannot:
 
-    - Python's cyclic garbage collector traverses every live object; after ``import torch`` that is
-      about a million objects that live as long as the process, 0.08 s a full pass on a Zen 4 core.
+    - Python's cyclic garbage collector traverses every object it tracks; after the imports that is
+      some 160,000 objects that live as long as the process, 0.08-0.1 s a full pass on a Zen 4 core.
       ``import llm`` pauses the collector while it imports torch, :func:`run` while the command's
       module imports the rest, and then freezes those objects out of its passes (``gc.freeze``, the method CPython documents for pre-fork
       servers). What the command makes afterwards is collected as usual.
