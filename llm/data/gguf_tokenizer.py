@@ -8,7 +8,7 @@ import os
 from llm.data.text_tokenizer import TextTokenizer
 from llm.utils.gguf import field as _field
 from llm.utils.gguf import read_gguf
-from llm.utils.memory import release_freed_memory
+from llm.utils.memory import collector_paused, release_freed_memory
 
 # Names of tokenizer.ggml.pre (llama.cpp's pre-tokenizer types) that we reproduce with the
 # `tokenizers` library, grouped by llama.cpp's regexes (llama-vocab.cpp).
@@ -24,6 +24,7 @@ SUPPORTED_PRE_TOKENIZERS = _GPT2_REGEX_PRE + _DIGITS_GPT2_REGEX_PRE + _LLAMA3_PR
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+@collector_paused()
 def gguf_tokenizer(path: str | os.PathLike):
     """The tokenizer stored in a GGUF file, as a :class:`~llm.data.text_tokenizer.TextTokenizer`
     (transformers' ``PreTrainedTokenizerFast`` interface for inference, without importing

@@ -39,6 +39,7 @@ import io
 import logging
 import math
 import mmap
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -332,6 +333,9 @@ def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
 #: Transparent huge pages' size on x86-64: a region aligned to it can be backed by them.
 HUGE_PAGE = 2 << 20
 
+#: Linux's madvise advice (5.14+) that faults a range in, writable, in one call.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform.startswith("linux") else None
+
 
 class HugePages:
     """A region of ``nbytes`` in transparent huge pages, where tensors are copied side by side.
@@ -342,6 +346,11 @@ class HugePages:
     ``madvise`` mode honours) and aligned to them; its pages are taken as tensors are copied in, so
     an unused rest costs no memory. Where the platform has no huge pages the copies are made all
     the same (4 KB pages).
+
+    Each tensor's pages are faulted in when it is placed (``MADV_POPULATE_WRITE``), by one
+    thread in one call: faulted instead by the threads of the parallel copy that writes them,
+    SmolLM2's GGUF load took 0.2-0.28 s rather than 0.15 (median of 8 paired runs on a Zen 4
+    guest; the difference is the kernel's page zeroing).
     """
 
     def __init__(self, nbytes: int):
@@ -350,6 +359,7 @@ class HugePages:
             self._region.madvise(mmap.MADV_HUGEPAGE)
         self._arena = torch.frombuffer(self._region, dtype=torch.uint8)
         self._used = -self._arena.data_ptr() % HUGE_PAGE  # from the first huge page boundary
+        self._populate = _MADV_POPULATE_WRITE is not None and hasattr(self._region, "madvise")
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized tensor in the region, at a 64-byte boundary (a view of the region's
@@ -358,6 +368,12 @@ class HugePages:
         if self._used + size > self._arena.numel():
             return None
         view = self._arena[self._used:self._used + size].view(dtype).view(shape)
+        if self._populate and size:
+            start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
+            try:
+                self._region.madvise(_MADV_POPULATE_WRITE, start, self._used + size - start)
+            except OSError:  # an older kernel: the pages are faulted in as they are written
+                self._populate = False
         self._used += -(-size // 64) * 64
         return view
 

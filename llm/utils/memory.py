@@ -1,10 +1,12 @@
-"""Giving memory back to the OS after a load."""
+"""Giving memory back to the OS after a load, and pausing the collector while one is made."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,3 +29,18 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Pause Python's cyclic garbage collector for the block (as it was, after): building a
+    vocabulary or a model makes some 100,000 containers that all stay alive, and the collector's
+    passes over them while they are made took 0.04-0.06 s of a SmolLM2 tokenizer's 0.17 s (Zen 4).
+    What the block frees is freed at once all the same (reference counts)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()

@@ -144,6 +144,35 @@ def test_q4_blocks_packed_into_huge_pages_are_the_same_tensors(make):
         torch.ops.llm.gguf_q4_pack_out(raw, cols, *expected[:2], None if len(garbage) == 3 else expected[1])
 
 
+def _resident_bytes(address: int) -> int:
+    """Resident bytes of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_huge_pages_fault_in_what_is_placed_and_nothing_more():
+    """A tensor placed in the region has its pages in memory at once (faulted in by one thread,
+    before a parallel copy writes it), and the region's unused rest costs no memory."""
+    pages = cpu_quant.HugePages(64 << 20)
+    base = pages._arena.data_ptr()
+    assert _resident_bytes(base) == 0
+    view = pages.empty((3 << 20,), torch.uint8)
+    resident = _resident_bytes(base)
+    if cpu_quant._MADV_POPULATE_WRITE is None or not pages._populate:
+        pytest.skip("this kernel cannot fault a range in (MADV_POPULATE_WRITE, Linux 5.14+)")
+    assert 3 << 20 <= resident <= 8 << 20  # the 3 MB in huge pages (2 MB) or small ones, not 64 MB
+    view.fill_(7)
+    assert _resident_bytes(base) == resident and pages.copy(torch.ones(5)).sum() == 5
+
+
 @pytest.mark.skipif(cpu_quant.unavailable() is not None, reason="needs our CPU kernels")
 def test_q8_0_blocks_pack_into_the_int8_layout_in_one_pass():
     """The file's Q8_0 rows packed in one pass (fresh, into huge pages, or into a slice of a larger

@@ -32,7 +32,7 @@ from llm.kernels import cpu_quant
 from llm.quant.quantize import (EMBEDDING, HEAD, check_backend, default_activation_dtype, head_packs, projections,
                                 quantize_head)
 from llm.utils.gguf import _MISSING, read_gguf
-from llm.utils.memory import release_freed_memory
+from llm.utils.memory import collector_paused, release_freed_memory
 from llm.utils.gguf import field as _field
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -445,6 +445,7 @@ def _release_bytes(reader, start: int, end: int) -> None:
             pass
 
 
+@collector_paused()
 def load_gguf(
     path: str | os.PathLike,
     *,
