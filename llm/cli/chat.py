@@ -14,7 +14,7 @@ import argparse
 import sys
 import warnings
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, load_model, model_problem
 from llm.data.text_tokenizer import IncrementalText
 from llm.utils.tokens import common_prefix
 
@@ -44,19 +44,10 @@ def main(argv: list[str] | None = None, prog: str = "llm chat") -> int:
     import torch
 
     from llm.cache import DynamicCache
-    from llm.bundle import check_tokenizer_fits
-    from llm.data.tokenizer import load_tokenizer
     from llm.generation.generate import stream
-    from llm.model import MosaicGPT
 
     try:
-        set_threads(args.threads)
-        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
-        # the model's, not on top of it
-        tokenizer = load_tokenizer(args.model)
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                                          quantization=args.quantize, backend=args.backend)
-        check_tokenizer_fits(tokenizer, model, args.model)
+        tokenizer, model = load_model(args)
         if not tokenizer.chat_template:
             parser.error(f"the tokenizer of {args.model} has no chat template")
         overrides = {"max_new_tokens": args.max_new_tokens}

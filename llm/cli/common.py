@@ -88,6 +88,35 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def load_model(args: argparse.Namespace):
+    """(tokenizer, model) of ``args.model`` with the model flags of :func:`add_model_arguments`
+    (``--device``, ``--dtype``, ``--quantize``, ``--backend``), on ``--threads`` threads.
+
+    The tokenizer is loaded first: its transient memory (a GGUF file's parsed vocabulary) then
+    comes before the model's, not on top of it. Both load in
+    :func:`llm.formats.gguf.reader.preloading` (one parse of a GGUF file's header; its blocks'
+    memory faulted in while the tokenizer is parsed).
+
+    Raises:
+        ValueError / FileNotFoundError: as ``load_tokenizer`` and ``MosaicGPT.from_pretrained``,
+            and when the tokenizer does not fit the model (``check_tokenizer_fits``).
+    """
+    import torch
+
+    from llm.bundle import check_tokenizer_fits
+    from llm.data.tokenizer import load_tokenizer
+    from llm.formats.gguf.reader import preloading
+    from llm.model import MosaicGPT
+
+    set_threads(args.threads)
+    options = {"device": args.device, "quantization": args.quantize, "backend": args.backend}
+    with preloading(args.model, **options):
+        tokenizer = load_tokenizer(args.model)
+        model = MosaicGPT.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **options)
+    check_tokenizer_fits(tokenizer, model, args.model)
+    return tokenizer, model
+
+
 def torch_device(text: str):
     """An argparse type: a ``torch.device`` that exists and works on this machine."""
     import torch

@@ -15,11 +15,9 @@ from pathlib import Path
 import torch
 
 from llm.cache import Cache, DynamicCache
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, load_model, model_problem
 from llm.generation.config import load_generation_config
-from llm.bundle import check_tokenizer_fits
 from llm.data.text_tokenizer import IncrementalText
-from llm.data.tokenizer import load_tokenizer
 from llm.generation.config import GenerationConfig
 from llm.generation.generate import generate
 from llm.model import MosaicGPT
@@ -235,14 +233,8 @@ def main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
         if not args.prompt_cache.absolute().parent.is_dir():
             parser.error(f"--prompt-cache {args.prompt_cache}: no folder {args.prompt_cache.parent} to keep it in")
     try:
-        set_threads(args.threads)
+        tokenizer, model = load_model(args)
         dtype = getattr(torch, args.dtype)
-        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
-        # the model's, not on top of it
-        tokenizer = load_tokenizer(args.model)
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=dtype, quantization=args.quantize,
-                                          backend=args.backend)
-        check_tokenizer_fits(tokenizer, model, args.model)
         draft = None
         if args.speculative == "draft":
             draft = MosaicGPT.from_pretrained(args.draft_model, device=args.device, dtype=dtype,

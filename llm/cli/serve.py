@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 
-from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, model_problem, set_threads
+from llm.cli.common import ArgumentParser, add_model_arguments, describe, integer, load_model, model_problem
 
 
 def build_parser(prog: str = "serve.py") -> argparse.ArgumentParser:
@@ -85,20 +85,12 @@ def loader(args):
         import torch
 
         from llm.generation.config import load_generation_config
-        from llm.bundle import check_tokenizer_fits
-        from llm.data.tokenizer import load_tokenizer
         from llm.generation.config import GenerationConfig
         from llm.model import MosaicGPT
         from llm.serve.engine import Engine
         from llm.serve.http import Served
 
-        set_threads(args.threads)
-        # the tokenizer first: its transient memory (a GGUF file's parsed vocabulary) then comes before
-        # the model's, not on top of it
-        tokenizer = load_tokenizer(args.model)
-        model = MosaicGPT.from_pretrained(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                                          quantization=args.quantize, backend=args.backend)
-        check_tokenizer_fits(tokenizer, model, args.model)
+        tokenizer, model = load_model(args)
         # the model's sampling defaults, else OpenAI's (temperature 1, no truncation)
         defaults = load_generation_config(args.model) or GenerationConfig(do_sample=True, temperature=1.0)
         if defaults.eos_token_id is None and tokenizer.eos_token_id is not None:

@@ -96,6 +96,32 @@ def test_a_saved_tokenizer_folder_loads_as_transformers_loads_it(kind, tmp_path)
     assert_same(load_tokenizer(tmp_path / "again"), theirs)
 
 
+@pytest.mark.parametrize("kind", ["gguf", "bpe", "char"])
+def test_its_length_counts_the_vocabulary_and_the_added_tokens_it_lacks(kind, tmp_path):
+    """len() is the size of the whole vocabulary (the tokenizers library's, with added tokens),
+    tokens added with strings the model's vocabulary has, lacks, or both, special or not."""
+    from tokenizers import AddedToken
+
+    if kind == "gguf":
+        ours = load_tokenizer(GGUF)
+    else:
+        text = "ROMEO: But soft, what light through yonder window breaks?\n" * 20
+        (train_bpe_tokenizer(text, 300) if kind == "bpe" else build_char_tokenizer(text)).save_pretrained(tmp_path)
+        ours = load_tokenizer(tmp_path)
+    backend = ours.backend_tokenizer
+    known = next(t for t, i in sorted(backend.get_vocab(with_added_tokens=False).items(), key=lambda x: x[1])[5:])
+    assert len(ours) == backend.get_vocab_size(with_added_tokens=True)
+    for added in ([AddedToken(known, special=True)], [AddedToken("<|brand new|>", special=True)],
+                  ["another new one", known, "another new one"]):
+        before = len(ours)
+        if isinstance(added[0], AddedToken):
+            backend.add_special_tokens(added)
+        else:
+            backend.add_tokens(added)
+        assert len(ours) == backend.get_vocab_size(with_added_tokens=True) == len(ours.get_vocab())
+        assert len(ours) - before == len({a if isinstance(a, str) else a.content for a in added} - {known})
+
+
 def test_folders_it_cannot_mirror_exactly_load_through_transformers(tmp_path):
     train_bpe_tokenizer("some text to learn from " * 50, 300).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -515,3 +515,59 @@ def test_the_head_is_packed_block_by_block_as_the_whole_table_would_be(tmp_path,
     assert codes.shape == (96, 64) and codes.abs().max() == 127
     assert torch.equal(packed, cpu_quant.pack_int8(codes)) and torch.equal(packed_scales, scales)
     assert torch.equal(cpu_quant.unpack_int8(packed, 96), codes)
+
+
+def test_an_unchanged_file_held_open_is_read_once(tmp_path):
+    """While a reader of a file is held, reading the same unchanged file gives it (its header is
+    parsed once); released, or the file changed, it is read again."""
+    import gc
+
+    from llm.utils.gguf import read_gguf
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf_llama())
+    held = read_gguf(path)
+    assert read_gguf(str(path)) is held and read_gguf(tmp_path / "." / "tiny.gguf") is held
+    first = id(held)
+    del held
+    gc.collect()
+    again = read_gguf(path)
+    assert read_gguf(path) is again
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten, as far as anyone can tell
+    assert read_gguf(path) is not again
+    assert first is not None
+
+
+@needs_file
+@pytest.mark.skipif(not gguf_module.cpu_quant.available(), reason="needs our CPU kernels (their huge pages)")
+def test_preloading_gives_the_same_model_in_the_pages_made_ahead():
+    """In preloading(), the tokenizer and the model share one reader, the model's blocks take the
+    huge pages made (and being faulted in) ahead, and the model is the one a plain load gives,
+    bit for bit. Other options, a bundle or a missing file: nothing made ahead, the loads as usual."""
+    from llm.formats.gguf.reader import preloading
+    from llm.utils.gguf import read_gguf
+
+    plain = MosaicGPT.from_pretrained(GGUF)
+    with preloading(GGUF):
+        reader = read_gguf(GGUF)
+        pages = reader._llm_pages
+        tokenizer = load_tokenizer(GGUF)
+        model = MosaicGPT.from_pretrained(GGUF)
+        assert "_llm_pages" not in vars(reader)  # taken by the load
+    assert len(tokenizer) == 49152
+    blocks = [t for name, m in model.named_modules() if name.startswith("blocks.") and hasattr(m, "kernel_tensors")
+              for t in m.kernel_tensors() if t is not None]
+    assert len(blocks) == 30 * 5 * 3 and all(pages.holds(t) for t in blocks)  # Q4_1: codes, scales, mins
+    assert pages.holds(model.lm_head.kernel_tensors()[0])  # the output layer's codes
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314], [2, 2, 1, 9384, 28, 5]])
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    assert torch.equal(model(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    for options in ({"quantization": "none"}, {"backend": "torch"}, {"quantization": "int8"}):
+        with preloading(GGUF, **options):
+            assert "_llm_pages" not in vars(read_gguf(GGUF))
+    with preloading(REPO_ROOT / "no-such-model.gguf"):
+        with pytest.raises(FileNotFoundError, match="no-such-model.gguf"):
+            MosaicGPT.from_pretrained(REPO_ROOT / "no-such-model.gguf")
+    with preloading(GGUF):
+        pass
+    assert "_llm_pages" not in vars(read_gguf(GGUF))  # left unused: given back with the block
