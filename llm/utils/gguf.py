@@ -139,18 +139,19 @@ def _reader_class():
     return _Reader
 
 
-#: readers alive somewhere in the process, by (path, size, modification time): opening the same
-#: unchanged file again while one is held gives that reader (see :func:`read_gguf`)
+#: readers alive somewhere in the process, by file and last change: opening the same unchanged
+#: file again while one is held gives that reader (see :func:`read_gguf`)
 _OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def read_gguf(path: str | os.PathLike):
     """Open a GGUF file: a ``gguf.GGUFReader`` (metadata parsed, tensors memory-mapped).
 
-    While a reader of the same unchanged file (path, size and modification time) is held anywhere
-    in the process, that reader is returned rather than a second one: a command that loads a
-    file's tokenizer and then its model parses the file's header (SmolLM2's 100,000 vocabulary
-    strings and merges, 0.03 s) once if it holds the reader meanwhile. Readers are only read.
+    While a reader of the same unchanged file (path, device and inode, size, modification and
+    change times) is held anywhere in the process, that reader is returned rather than a second
+    one: a command that loads a file's tokenizer and then its model parses the file's header
+    (SmolLM2's 100,000 vocabulary strings and merges, 0.03 s) once if it holds the reader
+    meanwhile. Readers are shared, so only read them.
 
     Raises:
         FileNotFoundError: if there is no such file.
@@ -161,9 +162,13 @@ def read_gguf(path: str | os.PathLike):
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     stat = path.stat()
-    size, key = stat.st_size, (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    # the file itself (device, inode) and its last change (ctime: set by every write, rename or
+    # copy, and by no tool on purpose, as mtime is by cp -p)
+    size, key = stat.st_size, (str(path.resolve()), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                               stat.st_ctime_ns)
     reader = _OPEN.get(key)
     if reader is not None:
+        reader.path = path  # messages name the file as this caller does
         return reader
     try:
         reader = _reader_class()(path)

@@ -96,6 +96,17 @@ def test_a_saved_tokenizer_folder_loads_as_transformers_loads_it(kind, tmp_path)
     assert_same(load_tokenizer(tmp_path / "again"), theirs)
 
 
+def test_its_length_counts_a_piece_a_unigram_list_holds_twice_once(tmp_path):
+    """A Unigram vocabulary is a list, which may hold a piece twice: counted once, as the
+    tokenizers library and transformers count it."""
+    from tokenizers import Tokenizer, models
+
+    pieces = [("<unk>", 0.0), ("▁a", -1.0), ("b", -2.0), ("▁a", -3.0), ("</s>", 0.0)]
+    Tokenizer(models.Unigram(pieces, unk_id=0)).save(str(tmp_path / "tokenizer.json"))
+    ours = load_tokenizer(tmp_path / "tokenizer.json")
+    assert len(ours) == ours.backend_tokenizer.get_vocab_size(with_added_tokens=True) == 4
+
+
 @pytest.mark.parametrize("kind", ["gguf", "bpe", "char"])
 def test_its_length_counts_the_vocabulary_and_the_added_tokens_it_lacks(kind, tmp_path):
     """len() is the size of the whole vocabulary (the tokenizers library's, with added tokens),

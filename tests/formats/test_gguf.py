@@ -536,6 +536,42 @@ def test_an_unchanged_file_held_open_is_read_once(tmp_path):
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten, as far as anyone can tell
     assert read_gguf(path) is not again
     assert first is not None
+    # another file of the same size swapped in with the same modification time (cp -p, rsync -a)
+    held, swap = read_gguf(path), tmp_path / "swap.gguf"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    swap.write_bytes(bytes(data))
+    os.utime(swap, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+    os.replace(swap, path)
+    assert read_gguf(path) is not held
+
+
+@pytest.mark.skipif(not gguf_module.cpu_quant.available(), reason="needs our CPU kernels (their huge pages)")
+@pytest.mark.parametrize("mix", [("Q4_0",) * 4, ("Q8_0",) * 4, ("Q4_1",) * 4, ("Q4_0", "Q8_0", "Q4_0", "Q4_0"),
+                                 ("Q8_0", "Q4_1", "Q4_1", "Q4_1"), ("Q4_0", "Q4_1", "Q4_0", "Q8_0")])
+def test_what_is_faulted_in_ahead_is_used(tmp_path, mix):
+    """The bytes preloading faults in ahead (_region_bytes' lower bound) are at most those the
+    load places in the region, whatever mix of types (query, key and value, output projection,
+    feed-forward) the fused qkv and the other layers hold: a mixed qkv is requantized, to fewer
+    bytes than its file's."""
+    from gguf import GGMLQuantizationType as Q
+
+    from llm.formats.gguf.reader import _region_bytes, preloading
+    from llm.utils.gguf import read_gguf
+
+    model = tiny_hf_llama()
+    q, kv, out, ffn = (getattr(Q, kind) for kind in mix)
+    types = {"output.weight": Q.Q8_0}
+    for i in range(2):
+        types |= {f"blk.{i}.attn_q.weight": q, f"blk.{i}.attn_k.weight": kv, f"blk.{i}.attn_v.weight": kv,
+                  f"blk.{i}.attn_output.weight": out,
+                  **{f"blk.{i}.ffn_{part}.weight": ffn for part in ("gate", "up", "down")}}
+    path = write_gguf(tmp_path / "mix.gguf", model, types)
+    with preloading(path):
+        pages = read_gguf(path)._llm_pages
+        start = pages._used
+        MosaicGPT.from_pretrained(path)
+    assert 0 < _region_bytes(read_gguf(path))[1] <= pages._used - start
 
 
 @needs_file

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import warnings
 from typing import Any
 
@@ -553,19 +554,23 @@ def _region_bytes(reader) -> tuple[int, int]:
     each matrix's rows padded to 16: an unused rest of the region costs nothing, and a layer
     requantized to more bytes than the file's may not fit, and stays outside), and a lower bound
     of what it places there (Q4_0 / Q4_1 / Q8_0 blocks take at least their file bytes in the
-    kernels' layout; a Q8_0 output layer its codes, 32 of each 34 bytes; other types none)."""
+    kernels' layout where a layer's tensors are all of one such type; a Q8_0 output layer its
+    codes, 32 of each 34 bytes; other layers, requantized, none)."""
     tensors = {t.name: t for t in reader.tensors}
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     room = placed = 0
+    layers: dict[str, list] = {}  # our layer -> its file tensors (the fused qkv takes three)
     for name, t in tensors.items():
-        if not (name == head or (name.startswith("blk.") and len(t.shape) == 2)):
-            continue
-        room += int(t.n_bytes) * 17 // 16 + 4096
-        kind = t.tensor_type.name
         if name == head:
-            placed += int(t.n_bytes) * 32 // 34 if kind == "Q8_0" else 0
-        elif kind in (*_INT4_BLOCKS, "Q8_0"):
-            placed += int(t.n_bytes)
+            room += int(t.n_bytes) * 17 // 16 + 4096
+            placed += int(t.n_bytes) * 32 // 34 if t.tensor_type.name == "Q8_0" else 0
+        elif name.startswith("blk.") and len(t.shape) == 2:
+            room += int(t.n_bytes) * 17 // 16 + 4096
+            layers.setdefault(re.sub(r"\.attn_[qkv]\.", ".attn_qkv.", name), []).append(t)
+    for parts in layers.values():  # kept as they are (_native_layer) only where all are one such type
+        kinds = {t.tensor_type.name for t in parts}
+        if len(kinds) == 1 and kinds <= {*_INT4_BLOCKS, "Q8_0"}:
+            placed += sum(int(t.n_bytes) for t in parts)
     return room, placed
 
 
