@@ -9,8 +9,10 @@ For each: wall time from start to exit, time to the first streamed byte of the a
 included), peak RSS (the child's ``ru_maxrss``), and how many tokens it wrote; and, as the floor
 under them, a process that only imports torch, one that imports llm and one that imports
 llama_cpp. The processes take turns, round after round; each figure is the median over the
-rounds. Memory is also given as (peak - peak of ``import torch``) / file size, the issue's
-measure of what the model costs beyond the framework.
+rounds. The wall-time ratio is also given per round (median and range): a round's two commands
+run back to back, so a machine whose speed moves between rounds moves both. Memory is also given
+as (peak - peak of ``import torch``) / file size, the issue's measure of what the model costs
+beyond the framework.
 
 Run it alone on the machine: `.venv/bin/python -m benchmarks.command [--rounds 5]`.
 """
@@ -131,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         first = f"{row['first_byte_s']:.2f}" if "first_byte_s" in row else ""
         print(f"| {name} | {row['wall_s']:.2f} | {first} | {row['peak_mib']:.0f} | {row.get('tokens', '')} |")
-    print(f"\nours / llama-cpp-python wall: {ours['wall_s'] / peer['wall_s']:.2f}x; "
+    # each round's ratio: the two ran back to back, so a machine that slows between rounds moves both
+    ratios = sorted(a["wall_s"] / b["wall_s"] for a, b in zip(runs["ours: scripts/generate.py"], runs["llama-cpp-python"]))
+    print(f"\nours / llama-cpp-python wall: {ours['wall_s'] / peer['wall_s']:.2f}x (per round: median "
+          f"{statistics.median(ratios):.2f}x, {ratios[0]:.2f}-{ratios[-1]:.2f}x); "
           f"import llm - import torch: {rows['import llm']['wall_s'] - rows['import torch']['wall_s']:+.2f} s; "
           f"(our peak - import torch's peak) / file: {ours['over_torch_per_file']:.2f}x")
     if args.json:
