@@ -33,14 +33,12 @@ Layouts (``N`` outputs padded to blocks of 16, ``K`` inputs, ``G`` the int4 grou
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import io
 import logging
 import math
 import mmap
-import sys
 import threading
 import time
 import warnings
@@ -49,6 +47,7 @@ from pathlib import Path
 import torch
 
 from llm.utils.home import llm_home
+from llm.utils.memory import fault_in as _fault_in
 
 LANES = 16
 GROUP = 32
@@ -335,22 +334,6 @@ def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
 #: Transparent huge pages' size on x86-64: a region aligned to it can be backed by them.
 HUGE_PAGE = 2 << 20
 
-#: Linux's madvise advice (5.14+) that faults a range in, writable, in one call.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23) if sys.platform.startswith("linux") else None
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    """The C library's ``madvise`` through ctypes (which releases the GIL during the call), or None."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
 class HugePages:
     """A region of ``nbytes`` in transparent huge pages, where tensors are copied side by side.
 
@@ -361,8 +344,8 @@ class HugePages:
     an unused rest costs no memory. Where the platform has no huge pages the copies are made all
     the same (4 KB pages).
 
-    Each tensor's pages are faulted in when it is placed (``MADV_POPULATE_WRITE``), by one
-    thread in one call: faulted instead by the threads of the parallel copy that writes them,
+    Each tensor's pages are faulted in when it is placed, by the thread that places it
+    (:func:`llm.utils.memory.fault_in`): faulted instead by the threads of the parallel copy that writes them,
     SmolLM2's GGUF load took 0.2-0.28 s rather than 0.15 (median of 8 paired runs on a Zen 4
     guest; the difference is the kernel's page zeroing).
     """
@@ -373,7 +356,7 @@ class HugePages:
             self._region.madvise(mmap.MADV_HUGEPAGE)
         self._arena = torch.frombuffer(self._region, dtype=torch.uint8)
         self._used = -self._arena.data_ptr() % HUGE_PAGE  # from the first huge page boundary
-        self._populate = _MADV_POPULATE_WRITE is not None and hasattr(self._region, "madvise")
+        self._populate = True  # until the platform says it cannot (llm.utils.memory.fault_in)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized tensor in the region, at a 64-byte boundary (a view of the region's
@@ -384,36 +367,22 @@ class HugePages:
         view = self._arena[self._used:self._used + size].view(dtype).view(shape)
         if self._populate and size:
             start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
-            try:
-                self._region.madvise(_MADV_POPULATE_WRITE, start, self._used + size - start)
-            except OSError:  # an older kernel: the pages are faulted in as they are written
-                self._populate = False
+            self._populate = _fault_in(self._arena.data_ptr() + start, self._used + size - start)
         self._used += -(-size // 64) * 64
         return view
 
     def fault_in(self, nbytes: int) -> threading.Thread | None:
         """Start faulting in the region's next ``nbytes`` (from where :meth:`empty` places the next
-        tensor) on a thread of its own, which holds no lock Python needs (``madvise`` through
-        ctypes): a load's other work, such as parsing the tokenizer, runs meanwhile, and what is
-        placed there later is in memory already. Zeroing fresh pages took 0.015 s or 0.22 s for
-        SmolLM2's 90 MB on a Zen 4 guest (the second where the hypervisor backs them anew).
-        Returns the thread, or None where this platform cannot."""
+        tensor) on a thread of its own (:func:`llm.utils.memory.fault_in`): a load's other work,
+        such as parsing the tokenizer, runs meanwhile, and what is placed there later is in memory
+        already. Zeroing fresh pages took 0.015 s or 0.22 s for SmolLM2's 90 MB on a Zen 4 guest
+        (the second where the hypervisor backs them anew). Returns the thread, or None where this platform cannot."""
         if not self._populate or nbytes <= 0:
             return None
-        libc = _libc()
-        if libc is None:
-            return None
         start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
-        end, base = min(self._used + nbytes, self._arena.numel()), self._arena.data_ptr()
-
-        def run():
-            # a huge page a call: the call holds the process's memory map lock, and one call for the
-            # whole range kept the main thread's allocations waiting (its tokenizer took 2x as long)
-            for at in range(start, end, HUGE_PAGE):
-                if libc.madvise(base + at, min(HUGE_PAGE, end - at), _MADV_POPULATE_WRITE) != 0:
-                    return  # unmapped meanwhile (ENOMEM), or refused: the pages fault in when written
-
-        thread = threading.Thread(target=run, name="llm-fault-in", daemon=True)
+        end = min(self._used + nbytes, self._arena.numel())
+        thread = threading.Thread(target=_fault_in, args=(self._arena.data_ptr() + start, end - start),
+                                  name="llm-fault-in", daemon=True)
         thread.start()
         return thread
 

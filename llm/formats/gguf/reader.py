@@ -609,7 +609,6 @@ def preloading(name_or_path: str | os.PathLike, *, device: torch.device | str | 
     finally:
         if reader is not None:
             reader.__dict__.pop("_llm_pages", None)  # not loaded in the block: given back with it
-        del reader
 
 
 def _quantized(reader) -> bool:
