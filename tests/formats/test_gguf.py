@@ -499,6 +499,22 @@ def test_converted_tensors_give_their_file_pages_back():
     assert _present_pages(reader.data, *span) == (0, pages)
 
 
+@needs_file
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="reads /proc/self/pagemap")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_load_leaves_none_of_the_files_pages_in_memory(quantization):
+    # the kernel maps a faulted page's neighbours too (fault-around), some of them tensors already
+    # given back: the load's last sweep gives those back as well
+    from llm.formats.gguf.reader import preloading
+    from llm.utils.gguf import read_gguf
+
+    with preloading(GGUF, quantization=quantization):
+        reader = read_gguf(GGUF)
+        MosaicGPT.from_pretrained(GGUF, quantization=quantization)
+        present, pages = _present_pages(reader.data, 0, len(reader.data))
+    assert pages > 20_000 and present == 0
+
+
 def test_the_head_is_packed_block_by_block_as_the_whole_table_would_be(tmp_path, monkeypatch):
     from gguf import GGMLQuantizationType as Q
 
