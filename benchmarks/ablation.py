@@ -26,7 +26,7 @@ from llm.cli.common import ArgumentParser, integer
 #: (name, overrides of the config): the baseline, then one change each.
 VARIANTS = [
     ("baseline (the config as it is)", []),
-    ("compiled (compile_config={})", ["compile_config={}"]),
+    ("eager (compile_config=null)", ["compile_config=null"]),
     ("Muon lr 0.02, AdamW 3e-3 for the rest", ["optimizer.name=muon", "optimizer.lr=0.02", "optimizer.adamw_lr=3e-3",
                                                 "optimizer.weight_decay=0"]),
     ("warmup-stable-decay (last 40%)", ["scheduler.name=warmup_stable_decay", "scheduler.t_decay=0.4dur"]),

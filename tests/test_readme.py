@@ -14,7 +14,9 @@ What would take minutes on two cores is substituted; the whole table is here:
   5% validation split of one 2048-token row) (the README's "your own data").
 * ``runs/shakespeare``: the default config trained for 2 batches (the training overrides below),
   so ``runs/shakespeare/model`` and ``latest-rank0.pt`` exist.
-* ``scripts/train.py`` commands (also under ``composer``): ``TRAIN_OVERRIDES`` appended (2 batches).
+* ``scripts/train.py`` commands (also under ``composer``): ``TRAIN_OVERRIDES`` appended (2 batches,
+  eager: compiling each config's step would take most of a 2-batch run; ``tests/train/test_speed.py``
+  compiles training for real).
 * ``scripts/eval.py`` commands: ``EVAL_OVERRIDES`` appended (a few short sequences).
 * ``scripts/generate.py --model smollm2-135m-instruct``: ``--max-new-tokens 8`` appended, and
   ``--compile`` dropped (compiling 30 blocks takes minutes on two cores;
@@ -52,7 +54,7 @@ if not PYTHON.exists():
 
 TRAIN_OVERRIDES = ("max_duration=2ba scheduler.t_warmup=1ba eval_interval=2ba save_interval=2ba "
                    "global_train_batch_size=4 device_train_microbatch_size=4 device_eval_batch_size=4 "
-                   "eval_subset_num_batches=1 progress_bar=false num_samples=0")
+                   "eval_subset_num_batches=1 progress_bar=false num_samples=0 compile_config=null")
 EVAL_OVERRIDES = "eval_max_sequences=2 eval_seq_len=64 device_eval_batch_size=2"
 SKIP_PREFIXES = ("make train", "make test", "make bench-peers", ".venv-peers/", ".venv/bin/composer -n 2", "composer -n 2")
 

@@ -216,18 +216,21 @@ class RunPlan(Callback):
     """Lines on stderr (rank 0) that size the run against its data: at ``fit_start``, the batches
     left, the tokens per batch and per epoch and the epochs the run makes (``max_duration`` in
     batches, epochs, samples or tokens); after batch ``after`` of this process, the time left at
-    the speed of its batches so far, the first (which may compile) left out.
+    the speed of its batches so far, the first (which may compile) left out. A ``compiled`` run
+    says at ``fit_start`` that its first batch waits for ``torch.compile``, and after it how long
+    that batch took.
 
     Args:
         tokens_per_sample: the sequence length (text batches are full rows of it); None for
             padded batches of varying length (fine-tuning), counted in samples instead.
         after: the batch after which the time is estimated.
+        compiled: whether the run compiles its training step (``compile_config``).
     """
 
-    def __init__(self, tokens_per_sample: int | None, after: int = 10):
-        self.tokens_per_sample, self.after = tokens_per_sample, after
+    def __init__(self, tokens_per_sample: int | None, after: int = 10, compiled: bool = False):
+        self.tokens_per_sample, self.after, self.compiled = tokens_per_sample, after, compiled
         self._batches: int | None = None
-        self._seen, self._start = 0, None
+        self._seen, self._start, self._fit_start = 0, None, None
 
     def fit_start(self, state: State, logger: Logger) -> None:
         batches = self._total_batches(state)
@@ -245,7 +248,10 @@ class RunPlan(Callback):
         if dist.get_global_rank() == 0:
             print(f"run plan: {batches:,} batches of {amount(size)} ({amount(batches * size)}), an epoch is {per_epoch:,} "
                   f"batches ({amount(per_epoch * size)}): {batches / per_epoch:.2f} epochs"
-                  + (f"; resuming at batch {done:,}" if done else ""), file=sys.stderr, flush=True)
+                  + (f"; resuming at batch {done:,}" if done else "")
+                  + ("; the first batch compiles the training step (torch.compile)" if self.compiled else ""),
+                  file=sys.stderr, flush=True)
+        self._fit_start = time.perf_counter()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._batches is None:
@@ -253,6 +259,9 @@ class RunPlan(Callback):
         self._seen += 1
         if self._seen == 1:
             self._start = time.perf_counter()
+            if self.compiled and dist.get_global_rank() == 0:
+                print(f"run plan: the first batch took {self._start - self._fit_start:.0f} s (compiling)",
+                      file=sys.stderr, flush=True)
         elif self._seen == self.after and dist.get_global_rank() == 0:
             per_batch = (time.perf_counter() - self._start) / (self._seen - 1)
             left = self._batches - self._seen

@@ -303,7 +303,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
         autoresume=cfg["autoresume"],
         parallelism_config=cfg["parallelism_config"],
         callbacks=[StopOnNonFiniteLoss(), CurvePlotter(save_folder), ConfigSaver(cfg, save_folder),
-                   RunPlan(max_seq_len if text else None),
+                   RunPlan(max_seq_len if text else None, compiled=compile_config is not None),
                    SpeedMonitor(window_size=10, gpu_flops_available=peak_flops(cfg)), *callbacks],
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)

@@ -252,6 +252,15 @@ def test_shipped_configs_are_valid(path):
     assert load_train_config(config.to_dict()) == config
 
 
+def test_the_default_config_trains_compiled_in_bf16_and_null_trains_eager():
+    default = Path(__file__).resolve().parents[2] / "configs" / "shakespeare.yaml"
+    config = load_train_config(OmegaConf.load(default))
+    assert config.precision == "amp_bf16" and config.compile_config is not None
+    assert config.compile_config.backend == "inductor" and config.compile_config.fullgraph is False
+    eager = OmegaConf.merge(OmegaConf.load(default), OmegaConf.from_dotlist(["compile_config=null"]))
+    assert load_train_config(eager).compile_config is None
+
+
 # ------------------------------------------------------------------------------ EvalConfig
 
 

@@ -5,6 +5,7 @@ Trainings run in processes of their own: streaming keeps every dataset's shared 
 for the life of a process, and the suite's other trainings already hold most of its file limit."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_bf16_resumes_exactly_and_compile_config_compiles_the_step(tiny_data, tm
     assert start == 2 and resumed == straight  # 4 bf16 batches straight = 2, then 2 more after a resume
     assert batches == 2 and tokens_per_s > 0 and 0 < mfu < 1  # the compiled run trained and was measured
     assert train_s > compile_s > 0  # the first batch traced the step: its extra time is compiling
+    # only the compiled run says so, before its first batch and with that batch's time after it
+    assert done.stderr.count("; the first batch compiles the training step (torch.compile)\n") == 1
+    assert re.search(r"^run plan: the first batch took \d+ s \(compiling\)$", done.stderr, re.M)
+    assert done.stderr.count("run plan: the first batch took") == 1
 
 
 def test_a_compiled_run_compiles_the_loss_and_it_equals_the_eager_loss():
