@@ -435,9 +435,9 @@ def _release(reader, parts) -> None:
 def _release_file(reader) -> None:
     """Give back every page of ``reader``'s file mapping that a load left in the process's memory.
     The kernel maps a faulted page's neighbours with it (fault-around, large page-cache folios), so
-    reading one tensor maps pages of tensors given back before it again: about 20 MiB of SmolLM2's
-    94 MiB file stayed after :func:`_release` of each. A page read again later comes back from the
-    page cache."""
+    reading one tensor maps pages of tensors given back before it again: 16,682 of the 24,014
+    pages of SmolLM2's file stayed after :func:`_release` of each tensor on a Zen 4 VM. A page read
+    again later comes back from the page cache."""
     mapping = _mapping(reader)
     if mapping is not None:
         _release_bytes(reader, 0, len(mapping))
