@@ -247,7 +247,7 @@ class RunPlan(Callback):
 
         if dist.get_global_rank() == 0:
             print(f"run plan: {batches:,} batches of {amount(size)} ({amount(batches * size)}), an epoch is {per_epoch:,} "
-                  f"batches ({amount(per_epoch * size)}): {batches / per_epoch:.2f} epochs"
+                  f"batch{'es' if per_epoch != 1 else ''} ({amount(per_epoch * size)}): {batches / per_epoch:.2f} epochs"
                   + (f"; resuming at batch {done:,}" if done else "")
                   + ("; the first batch compiles the training step (torch.compile)" if self.compiled else ""),
                   file=sys.stderr, flush=True)

@@ -484,12 +484,24 @@ def _fsdp_choices() -> dict[str, list[str]]:
             "mixed_precision": ["DEFAULT", "FULL", "PURE"]}
 
 
+def _compile_backend(value: Any) -> str | None:
+    """Check: a backend ``torch.compile`` knows (``torch._dynamo.list_backends``, its debugging ones
+    included), so that a misspelt one is a config error rather than a traceback at the first batch."""
+    if not isinstance(value, str) or value in ("", "inductor"):
+        return non_empty(value)
+    from torch._dynamo import list_backends
+
+    if value in list_backends(exclude_tags=()):
+        return None
+    return f"expected a torch.compile backend ({', '.join(sorted({*list_backends(), 'eager', 'aot_eager'}))}), got {value!r}"
+
+
 @dataclass(kw_only=True)
 class CompileConfig:
     """``compile_config``: Composer's, the options of ``torch.compile`` for the training model
     (``{}``: torch's defaults)."""
 
-    backend: str = setting("inductor", check=non_empty)
+    backend: str = setting("inductor", check=_compile_backend)
     mode: str | None = setting(None, check=one_of("default", "reduce-overhead", "max-autotune",
                                                   "max-autotune-no-cudagraphs"))
     fullgraph: bool = False

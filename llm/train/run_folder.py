@@ -36,7 +36,9 @@ LOCK_FILE = ".train.lock"
 #: the run's length (``max_duration``: extending a run is what resuming is for, though a schedule
 #: over ``1dur`` then stretches from the resume on), what is evaluated, logged, saved or printed
 #: along the way, its label, how a batch is split to fit in memory (microbatches give the full
-#: batch's update), and where and how the run resumes (a copied folder has a new ``save_folder``).
+#: batch's update), whether the step is compiled (the same update through other kernels: a run
+#: trained eager resumes under the compiled default), and where and how the run resumes (a copied
+#: folder has a new ``save_folder``).
 MAY_CHANGE_ON_RESUME = frozenset({
     "max_duration",
     "eval_interval", "eval_subset_num_batches", "device_eval_batch_size",
@@ -44,7 +46,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "progress_bar", "log_to_console", "console_log_interval",
     "num_samples", "sample_prompts", "sample_max_new_tokens", "sample_temperature", "sample_top_k",
     "run_name",
-    "device_train_microbatch_size",
+    "device_train_microbatch_size", "compile_config",
     "save_folder", "load_path", "autoresume", "allow_config_change",
 })
 

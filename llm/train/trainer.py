@@ -250,6 +250,7 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     train_loader = build_train_loader(cfg["train_loader"], data.train, data.tokenizer, max_seq_len,
                                       device_batch_size(cfg["global_train_batch_size"]), seed=cfg["seed"],
                                       bucketed=bucketed)
+    _check_one_batch(train_loader, cfg)
     eval_sets = build_eval_loaders(cfg["eval_loader"], data.eval, data.tokenizer, max_seq_len,
                                    cfg["device_eval_batch_size"], seed=cfg["seed"], bucketed=bucketed)
     if not text:  # the exported model stops where its fine-tuned turns end
@@ -308,6 +309,24 @@ def build_trainer(cfg: Mapping[str, Any], data: RunData, callbacks=()) -> tuple[
     )
     adopt_earlier_checkpoints(trainer, save_folder, CHECKPOINT_FILENAME)
     return trainer, eval_sets
+
+
+def _check_one_batch(loader, cfg: Mapping[str, Any]) -> None:
+    """Refuse training data that makes no batch (fewer sequences than ``global_train_batch_size``
+    with ``train_loader.drop_last``), on which Composer would train nothing.
+
+    Raises:
+        ConfigError: naming the sizes and the two ways out.
+    """
+    try:
+        batches, sequences = len(loader), len(loader.dataset) * dist.get_world_size()
+    except TypeError:  # a loader of unknown length
+        return
+    if batches == 0:
+        raise ConfigError("global_train_batch_size",
+                          f"{cfg['global_train_batch_size']} is more than the training data's {sequences} sequences "
+                          "and train_loader.drop_last is true, so there is no batch to train on: use a "
+                          f"global_train_batch_size of at most {sequences} or train_loader.drop_last: false")
 
 
 def _compile_config(options: dict[str, Any] | None, text: bool) -> dict[str, Any] | None:

@@ -212,6 +212,10 @@ def test_config_changes_name_dotted_paths():
         "tokenizer.name: (absent) -> 'gpt2'",
     ]
     assert config_changes(old, old) == []
+    # compiling or not is a speed setting: a run trained eager resumes under the compiled default
+    compiled = {**old, "compile_config": {"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}}
+    assert config_changes({**old, "compile_config": None}, compiled) == []
+    assert config_changes(compiled, old) == []
 
 
 def _checkpoints(folder: Path, batches, corrupt=()):

@@ -146,6 +146,11 @@ def test_a_compiled_run_compiles_the_loss_and_it_equals_the_eager_loss():
 def test_bad_speed_options_are_refused_by_name(tiny_data, tmp_path):
     with pytest.raises(ConfigError, match="compile_config.mdoe"):
         resolve_config(tiny_config(tiny_data, tmp_path / "run", compile_config={"mdoe": "default"}))
+    # a backend torch.compile does not know: one line before training, naming the ones it does
+    with pytest.raises(ConfigError, match=r"^compile_config.backend: expected a torch.compile backend \(.*inductor.*\), "
+                                          r"got 'nope'$"):
+        resolve_config(tiny_config(tiny_data, tmp_path / "run", compile_config={"backend": "nope"}))
+    assert resolve_config(tiny_config(tiny_data, tmp_path / "run", compile_config={"backend": "aot_eager"}))
     with pytest.raises(ConfigError, match="optimizer.decay"):
         resolve_config(tiny_config(tiny_data, tmp_path / "run",
                                    optimizer={"name": "adamw", "decay": "norms"}))

@@ -137,3 +137,14 @@ def test_bad_config_raises_before_any_work(tiny_cfg):
     with pytest.raises(ConfigError, match=r"train_loader\.dataset\.splt"):
         train(tiny_cfg)
     assert not Path(tiny_cfg.save_folder).exists()
+
+
+def test_training_data_that_makes_no_batch_is_one_error_before_anything_is_written(tiny_data, tmp_path):
+    # drop_last with fewer sequences than a batch: Composer would train nothing (and the run plan
+    # divided by the 0 batches of an epoch)
+    with pytest.raises(ConfigError, match=r"^global_train_batch_size: 4096 is more than the training data's \d+ "
+                                          r"sequences and train_loader.drop_last is true, so there is no batch to "
+                                          r"train on: use a global_train_batch_size of at most \d+ or "
+                                          r"train_loader.drop_last: false$"):
+        train(tiny_config(tiny_data, tmp_path / "run", global_train_batch_size=4096))
+    assert not any((tmp_path / "run").glob("*.pt"))
