@@ -367,6 +367,15 @@ def combine(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
     return figures(nats / tokens, tokens, tokens / n_bytes)
 
 
+def _ignore_short_eval_warnings() -> None:
+    """Silence (inside ``warnings.catch_warnings``) Composer's warnings about what a small split
+    does by design: a last batch shorter than the batch size, and a split of fewer batches than
+    ``eval_subset_num_batches`` (then the evaluations during training read all of it), which a
+    small corpus of one's own repeats at every evaluation."""
+    warnings.filterwarnings("ignore", message="Cannot split (tensor|list) of length", category=UserWarning)
+    warnings.filterwarnings("ignore", message="DataloaderNumBatchesWarning")
+
+
 def evaluate_sets(trainer: Trainer, eval_sets: list[EvalSet], *, prefix: str = "") -> dict[str, dict[str, float]]:
     """Cross-entropy of the trainer's model over the whole of each eval set, by label.
 
@@ -381,8 +390,7 @@ def evaluate_sets(trainer: Trainer, eval_sets: list[EvalSet], *, prefix: str = "
         evaluator = Evaluator(label=label, dataloader=eval_set.loader, metric_names=["LanguageCrossEntropy"],
                               subset_num_batches=-1)
         with warnings.catch_warnings():
-            # A split's last batch is short by design; Composer warns about it.
-            warnings.filterwarnings("ignore", message="Cannot split tensor of length", category=UserWarning)
+            _ignore_short_eval_warnings()
             trainer.eval(eval_dataloader=evaluator, subset_num_batches=-1)
         nats = float(trainer.state.eval_metrics[label]["LanguageCrossEntropy"].compute())
         results[eval_set.label] = figures(nats, eval_set.predicted_tokens, eval_set.tokens_per_byte)
@@ -544,7 +552,9 @@ def _train(cfg: dict[str, Any], data: RunData, started: float) -> dict[str, Any]
 
     fit_started = time.perf_counter()
     if not finished:
-        trainer.fit()
+        with warnings.catch_warnings():
+            _ignore_short_eval_warnings()
+            trainer.fit()
     fit_seconds = time.perf_counter() - fit_started
 
     heldout = evaluate_sets(trainer, eval_sets, prefix="heldout/")  # on every rank

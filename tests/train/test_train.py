@@ -148,3 +148,12 @@ def test_training_data_that_makes_no_batch_is_one_error_before_anything_is_writt
                                           r"train_loader.drop_last: false$"):
         train(tiny_config(tiny_data, tmp_path / "run", global_train_batch_size=4096))
     assert not any((tmp_path / "run").glob("*.pt"))
+
+
+def test_a_small_validation_split_gives_no_warning_at_each_evaluation(tiny_data, tmp_path, recwarn):
+    # fewer batches than eval_subset_num_batches, a short last batch: what a small corpus of one's
+    # own does by design, which Composer warned about
+    train(tiny_config(tiny_data, tmp_path / "run", max_duration="4ba", eval_interval="2ba",
+                      eval_subset_num_batches=100_000, device_eval_batch_size=1000))
+    said = [str(w.message) for w in recwarn]
+    assert not [m for m in said if "Cannot split" in m or "DataloaderNumBatchesWarning" in m], said
