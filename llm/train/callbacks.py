@@ -272,7 +272,12 @@ class RunPlan(Callback):
     @staticmethod
     def _samples_per_batch(state: State) -> int:
         loader = state.train_dataloader
-        return int(getattr(loader, "batch_size", 0) or 0) * dist.get_world_size()
+        size = int(getattr(loader, "batch_size", 0) or 0)
+        try:  # data smaller than a batch (drop_last: false) makes one short batch
+            size = min(size, len(loader.dataset))
+        except TypeError:  # a dataset of unknown length
+            pass
+        return size * dist.get_world_size()
 
     def _total_batches(self, state: State) -> int | None:
         total = state.max_duration

@@ -157,3 +157,15 @@ def test_a_small_validation_split_gives_no_warning_at_each_evaluation(tiny_data,
                       eval_subset_num_batches=100_000, device_eval_batch_size=1000))
     said = [str(w.message) for w in recwarn]
     assert not [m for m in said if "Cannot split" in m or "DataloaderNumBatchesWarning" in m], said
+
+
+def test_the_run_plan_of_data_smaller_than_a_batch_counts_its_one_short_batch(tiny_data, tmp_path, capfd):
+    rows = json.loads((tiny_data / "llm_data.json").read_text())["splits"]["train"]["rows"]
+    sequences = rows * 2  # two 32-token sequences a prepared row
+    cfg = tiny_config(tiny_data, tmp_path / "run", max_duration="2ba", global_train_batch_size=sequences + 100,
+                      scheduler={"name": "cosine_with_warmup", "t_warmup": "0ba", "alpha_f": 0.1})
+    cfg["train_loader"]["drop_last"] = False
+    train(cfg)
+    tokens = sequences * 32
+    assert (f"run plan: 2 batches of {tokens:,} tokens ({2 * tokens:,} tokens), an epoch is 1 batch "
+            f"({tokens:,} tokens): 2.00 epochs\n") in capfd.readouterr().err
