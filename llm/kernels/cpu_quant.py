@@ -334,6 +334,7 @@ def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
 #: Transparent huge pages' size on x86-64: a region aligned to it can be backed by them.
 HUGE_PAGE = 2 << 20
 
+
 class HugePages:
     """A region of ``nbytes`` in transparent huge pages, where tensors are copied side by side.
 

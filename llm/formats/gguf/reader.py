@@ -505,6 +505,16 @@ def load_gguf(
         raise ValueError(f"quantization must be None, 'none', 'int8', 'int4' or 'gguf', got {quantization!r}")
     check_backend(backend, device or "cpu")
     reader = read_gguf(path)
+    try:
+        return _load(reader, dtype=dtype, device=device, attn_impl=attn_impl, quantization=quantization,
+                     group_size=group_size, backend=backend)
+    finally:
+        _release_file(reader)
+
+
+def _load(reader, *, dtype: torch.dtype | None, device: torch.device | str | None, attn_impl: str,
+          quantization: str | None, group_size: int, backend: str) -> MosaicGPT:
+    """:func:`load_gguf`'s model from its open ``reader`` (arguments checked)."""
     config = gguf_config(reader, attn_impl=attn_impl)
     model = MosaicGPT.empty(config)
     sources = _sources(reader, config, model)
@@ -637,12 +647,10 @@ def _quantized(reader) -> bool:
 def _with_generation_config(model: MosaicGPT, reader) -> MosaicGPT:
     """``model`` with the file's end ids as its generation config: ``tokenizer.ggml.eos_token_id``
     and, where the file has one, its end-of-turn token (``eot_token_id``, llama.cpp's), so that
-    ``generate`` stops where llama.cpp stops; ``padding_token_id`` as the pad id. The load's end:
-    every page of the file still mapped is given back (:func:`_release_file`)."""
+    ``generate`` stops where llama.cpp stops; ``padding_token_id`` as the pad id."""
     ends = [_field(reader, f"tokenizer.ggml.{key}", None) for key in ("eos_token_id", "eot_token_id")]
     ends = list(dict.fromkeys(int(e) for e in ends if e is not None))
     pad = _field(reader, "tokenizer.ggml.padding_token_id", None)
     model.generation_config = GenerationConfig(eos_token_id=(ends[0] if len(ends) == 1 else ends) or None,
                                                pad_token_id=None if pad is None else int(pad))
-    _release_file(reader)  # the load's last read of the file
     return model
