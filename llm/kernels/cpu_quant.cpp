@@ -292,35 +292,46 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
 }
 
 // Rows `ids` of a packed int8 table (blocks, K / 4, 16, 4), each times its row's scale (float32
-// (rows,)) or its groups' (float32 (rows, K / G)): float32 (*ids.shape, K), the values of
-// `float(code) * scale` (an embedding lookup in one call, with no unpacked copy of a table the
-// output layer shares).
+// (rows,)), its groups' (float32 (rows, K / G)), or its groups' as the int8 kernel holds them
+// (float16 lanes (blocks, K / G, 16): the output layer's own, shared by a tied table): float32
+// (*ids.shape, K), the values of `float(code) * scale` (an embedding lookup in one call, with no
+// unpacked copy of a table the output layer shares). Lanes count the padding rows of the last
+// block as rows (zero codes and scales: zero embeddings); the caller checks ids against its vocabulary.
 at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids_in) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4 && codes.scalar_type() == at::kChar &&
               codes.is_contiguous(), "codes must be the packed int8 layout (blocks, K / 4, 16, 4)");
-  const int64_t steps = codes.size(1), K = steps * 4, groups = scales.dim() == 2 ? scales.size(1) : 1;
-  TORCH_CHECK((scales.dim() == 1 || (scales.dim() == 2 && groups > 0 && K % groups == 0)) &&
-                  scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "scales must be contiguous float32 (rows,) or (rows, groups) with groups dividing ", K, ", got ",
-              scales.scalar_type(), " ", scales.sizes());
+  const int64_t steps = codes.size(1), K = steps * 4;
+  const bool lanes = scales.dim() == 3;
+  const int64_t groups = lanes ? scales.size(1) : scales.dim() == 2 ? scales.size(1) : 1;
+  TORCH_CHECK(lanes ? (scales.size(0) == codes.size(0) && scales.size(2) == kLanes && groups > 0 && K % groups == 0 &&
+                       scales.scalar_type() == at::kHalf && scales.is_contiguous())
+                    : ((scales.dim() == 1 || (scales.dim() == 2 && groups > 0 && K % groups == 0)) &&
+                       scales.scalar_type() == at::kFloat && scales.is_contiguous()),
+              "scales must be contiguous float32 (rows,) or (rows, groups), or float16 lanes (", codes.size(0),
+              ", groups, 16), with groups dividing ", K, ", got ", scales.scalar_type(), " ", scales.sizes());
   TORCH_CHECK(ids_in.scalar_type() == at::kLong, "ids must be int64");
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel(), G = K / groups;
-  const int64_t rows = std::min<int64_t>(codes.size(0) * kLanes, scales.size(0));
+  const int64_t rows = lanes ? codes.size(0) * kLanes : std::min<int64_t>(codes.size(0) * kLanes, scales.size(0));
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(K);
-  at::Tensor out = at::empty(shape, scales.options());
+  at::Tensor out = at::empty(shape, codes.options().dtype(at::kFloat));
   const int8_t* table = codes.data_ptr<int8_t>();
-  const float* scale = scales.data_ptr<float>();
   const int64_t* id = ids.data_ptr<int64_t>();
+  const at::Half* lane = lanes ? scales.data_ptr<at::Half>() : nullptr;
+  const float* scale = lanes ? nullptr : scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = id[i];
     TORCH_CHECK(0 <= r && r < rows, "id ", r, " is outside the table's ", rows, " rows");
     const int8_t* row = table + ((r / kLanes) * steps * kLanes + r % kLanes) * 4;
     for (int64_t s = 0; s < steps; ++s)
-      for (int64_t c = 0; c < 4; ++c)
-        o[i * K + 4 * s + c] = static_cast<float>(row[s * kLanes * 4 + c]) * scale[r * groups + (4 * s + c) / G];
+      for (int64_t c = 0; c < 4; ++c) {
+        const int64_t g = (4 * s + c) / G;
+        const float d = lane ? static_cast<float>(lane[((r / kLanes) * groups + g) * kLanes + r % kLanes])
+                             : scale[r * groups + g];
+        o[i * K + 4 * s + c] = static_cast<float>(row[s * kLanes * 4 + c]) * d;
+      }
   }
   return out;
 }

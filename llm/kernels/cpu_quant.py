@@ -305,6 +305,12 @@ def lane_scales(scales: torch.Tensor) -> torch.Tensor:
     return _group_lanes(scales) if scales.dim() == 2 else _blocks(scales.float()).reshape(-1).contiguous()
 
 
+def unlane_scales(lanes: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`lane_scales` for scales in groups: float16 lanes (ceil(N / 16), K / G, 16)
+    -> float32 (n, K / G), the values the kernel multiplies by."""
+    return lanes.transpose(1, 2).reshape(-1, lanes.shape[1])[:n].float()
+
+
 def unpack_int8(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_int8` for the codes: int8 (n, K)."""
     blocks, steps = packed.shape[:2]
@@ -319,8 +325,10 @@ def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` (any shape, int64) of a packed int8 table times their float32 ``scales``, one
-    per row (rows,) or per group of G inputs (rows, K / G): float32 (*ids.shape, K), the bits of
+    """Rows ``ids`` (any shape, int64) of a packed int8 table times their ``scales``: float32, one
+    per row (rows,) or per group of G inputs (rows, K / G), or in groups as the int8 kernel holds
+    them (:func:`lane_scales`' float16 (ceil(rows / 16), K / G, 16), where the padding rows of the
+    last 16 count as rows of zeros): float32 (*ids.shape, K), the bits of
     ``gather_int8_rows(packed, ids).float() * scales[ids, None]`` (groups: each scale repeated G
     times) in one call.
 

@@ -111,7 +111,14 @@ def _our_kernel(backend: str, device: torch.device, out_features: int, in_featur
 class _Int8Codes(nn.Module):
     """An int8 table ``weight`` of ``(rows, cols)`` codes, held packed for our CPU kernel when
     ``packed`` (see :func:`llm.kernels.cpu_quant.pack_int8`), else as they are; the state dict
-    holds the codes (rows, cols) either way, and a move to another device packs them for it."""
+    holds the codes (rows, cols) either way, and a move to another device packs them for it.
+
+    Packed scales in groups (GGUF Q8_0's) are held once, as the kernel reads them: ``kernel_scales``,
+    float16 lanes (:func:`llm.kernels.cpu_quant.lane_scales`), which hold a Q8_0 block's d exactly
+    and are what the kernel multiplies by whatever the scales given. A float32 ``scales`` buffer
+    beside them was 12% of a Q8_0 file's size in memory. The state dict still holds ``scales``
+    float32 (rows, groups) (:meth:`group_scales`), and a move or a cast sees them as a buffer.
+    """
 
     packed: bool
     backend: str
@@ -126,12 +133,42 @@ class _Int8Codes(nn.Module):
 
     def _refresh(self) -> None:
         """Called after the codes or scales change (a load, a move, a cast)."""
+        self._lane_group_scales()
+
+    def _lane_group_scales(self) -> bool:
+        """Packed scales in groups to the kernel's lanes, held there alone; whether it did."""
+        scales = self._buffers.get("scales")
+        if not (self.packed and scales is not None and scales.dim() == 2):
+            return False
+        self.register_buffer("kernel_scales", cpu_quant.lane_scales(scales), persistent=False)
+        del self._buffers["scales"]
+        return True
+
+    @property
+    def scales_in_lanes(self) -> bool:
+        """Whether the scales are held only in the kernel's lanes (packed, in groups)."""
+        return "scales" not in self._buffers
+
+    def group_scales(self) -> torch.Tensor:
+        """The scales as the state dict holds them: (rows,), or (rows, groups) float32 from the
+        kernel's lanes where it holds them (:attr:`scales_in_lanes`)."""
+        if self.scales_in_lanes:
+            return cpu_quant.unlane_scales(self.kernel_scales, self._shape()[0])
+        return self.scales
+
+    def _scales_as_buffer(self) -> None:
+        """Scales held in lanes as a ``scales`` buffer again, for a move, a cast or a load to see
+        (laned again by :meth:`_refresh`)."""
+        if self.scales_in_lanes:
+            self.register_buffer("scales", self.group_scales())
+            self._buffers.pop("kernel_scales", None)
 
     def codes(self) -> torch.Tensor:
         """The int8 codes, (rows, cols)."""
         return cpu_quant.unpack_int8(self.weight, self._shape()[0]) if self.packed else self.weight
 
     def _apply(self, fn, recurse=True):
+        self._scales_as_buffer()
         target = _moves_device(fn, self.weight) if self.weight.device.type != "meta" else None
         codes = self.codes() if target is not None else None
         super()._apply(fn, recurse)
@@ -143,9 +180,16 @@ class _Int8Codes(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.codes()
+        if self.scales_in_lanes:
+            destination[prefix + "scales"] = self.group_scales()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.scales_in_lanes:
+            if prefix + "scales" in state_dict:  # loaded (its shape checked) into a buffer, laned again after
+                self._scales_as_buffer()
+            else:
+                missing_keys.append(prefix + "scales")
         codes = state_dict.get(prefix + "weight")
         if codes is not None and self.packed:
             if codes.dtype != torch.int8 or tuple(codes.shape) != self._shape():
@@ -207,8 +251,9 @@ class Int8Linear(_Int8Codes):
         # The scales as the kernel takes them, cast once rather than at every call: inside a
         # compiled graph the per-call cast is an unrealized pointwise node that inductor's
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
-        scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
-        self.register_buffer("kernel_scales", scales, persistent=False)
+        if not self._lane_group_scales() and not self.scales_in_lanes:
+            scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
+            self.register_buffer("kernel_scales", scales, persistent=False)
         cpu_quant.changed()
 
     def _torch_dtype(self) -> torch.dtype:
@@ -253,9 +298,10 @@ class Int8Embedding(_Int8Codes):
     """``nn.Embedding`` with int8 rows and one float scale per row (the vocabulary entry), or one
     per group of inputs of each row (``scales`` (num_embeddings, groups): GGUF Q8_0's blocks).
 
-    Shares ``weight`` and ``scales`` with the output layer of a model whose embeddings are tied
-    (see :meth:`tied_head`): the codes are kept in the layout of the output layer's kernel and
-    looked up there; ``packed`` codes come in that layout already, with ``embedding_dim`` given.
+    Shares ``weight`` and ``scales`` (packed in groups: ``kernel_scales``) with the output layer of
+    a model whose embeddings are tied (see :meth:`tied_head`): the codes are kept in the layout of
+    the output layer's kernel and looked up there; ``packed`` codes come in that layout already,
+    with ``embedding_dim`` given.
     The state dict holds them (num_embeddings, embedding_dim).
     ``forward``: (...,) int64 ids -> (..., embedding_dim) in the scales' dtype.
     """
@@ -270,6 +316,7 @@ class Int8Embedding(_Int8Codes):
         if packed:  # codes already in the kernel's layout (llm.kernels.cpu_quant.pack_int8)
             self.packed = True
             self.register_buffer("weight", weight)
+            self._refresh()
         else:
             self._set_codes(weight)
 
@@ -283,12 +330,16 @@ class Int8Embedding(_Int8Codes):
 
     def tied_head(self, activation_dtype: torch.dtype) -> Int8Linear:
         """The output layer ``x @ E.T`` over the same int8 storage (no copy)."""
-        return Int8Linear(self.weight, self.scales, None, activation_dtype, packed=self.packed,
+        head = Int8Linear(self.weight, self.group_scales(), None, activation_dtype, packed=self.packed,
                           in_features=self.embedding_dim, backend=self.backend)
+        if self.scales_in_lanes and head.scales_in_lanes:  # the same lanes, not a copy
+            head.kernel_scales = self.kernel_scales
+        return head
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.packed and self.scales.dtype == torch.float32:
-            return cpu_quant.int8_embedding(self.weight, self.scales, input_ids.long())  # int32 ids too, as nn.Embedding
+        if self.packed and (self.scales_in_lanes or self.scales.dtype == torch.float32):
+            scales = self.kernel_scales if self.scales_in_lanes else self.scales
+            return cpu_quant.int8_embedding(self.weight, scales, input_ids.long())  # int32 ids too, as nn.Embedding
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
         return int8_dequantize(rows, self.scales[input_ids], self.scales.dtype)
 

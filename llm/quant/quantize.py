@@ -179,7 +179,8 @@ def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, t
                                      in_features=dim, backend=backend))
         return HEAD
     embedding = Int8Embedding(codes, scales, backend, packed=packed, embedding_dim=dim)
-    embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
+    if not embedding.scales_in_lanes:
+        embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
     model.wte = embedding
     model.lm_head = embedding.tied_head(activation_dtype)
     return EMBEDDING

@@ -395,9 +395,16 @@ def test_a_q8_0_file_runs_on_its_own_blocks_and_saves_as_a_bundle(tmp_path, tied
     layers = {name: m for name, m in ours.named_modules() if isinstance(m, (Int8Linear, Int8Embedding))}
     assert len(layers) == 2 * 5 + (2 if tied else 1)  # an untied embedding is float: a lookup reads one row
     for name, module in layers.items():
-        assert module.scales.shape[1] == module.codes().shape[1] // 32, name
+        scales = module.group_scales()
+        assert scales.shape[1] == module.codes().shape[1] // 32, name
         weight = expected.get(name + ".weight", expected["wte.weight"])  # a tied head is the embedding
-        assert torch.equal(int8_dequantize(module.codes(), module.scales, torch.float32), weight), name
+        assert torch.equal(int8_dequantize(module.codes(), scales, torch.float32), weight), name
+        # the scales are held once, as the kernel reads them (float16 lanes); the state dict has them float32
+        assert module.scales_in_lanes and "scales" not in module._buffers, name
+        assert module.kernel_scales.dtype == torch.float16 and module.kernel_scales.dim() == 3, name
+        assert torch.equal(module.state_dict()["scales"], scales), name
+    if tied:  # the tied output layer reads the embedding's own lanes, not a copy
+        assert ours.lm_head.kernel_scales is ours.wte.kernel_scales
     ids = torch.tensor([[5, 17, 3, 90, 44, 8, 61, 12, 7], [33, 2, 71, 9, 40, 1, 2, 3, 4]])
     logits = ours(ids).logits
     ours.save_pretrained(tmp_path / "bundle")

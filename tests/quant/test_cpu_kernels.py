@@ -107,6 +107,9 @@ def test_int8_kernel_in_groups_computes_its_stated_arithmetic(n, k, group_size):
                    for i in range(rows))
     ids = torch.tensor([[0, n - 1], [n // 2, 1]])
     assert torch.equal(cpu_quant.int8_embedding(packed, scales, ids), weight.float()[ids])
+    # the same rows from the scales as the kernel holds them (float16 lanes, the fp16 values exactly)
+    assert torch.equal(cpu_quant.int8_embedding(packed, kernel_scales, ids), weight.float()[ids])
+    assert torch.equal(cpu_quant.unlane_scales(kernel_scales, n), scales)
     with pytest.raises(RuntimeError, match="float16 scales .* group_size a multiple of 32 dividing"):
         cpu_quant.int8_linear(torch.randn(1, k), packed, kernel_scales[:, :1].repeat(1, 5, 1).contiguous(), n)
 

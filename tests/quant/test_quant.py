@@ -270,6 +270,39 @@ def test_q8_0_blocks_map_onto_int8_groups_without_requantizing(kernel):
     torch.testing.assert_close(module(x), expected, atol=1e-5 * float(expected.abs().max()), rtol=0)
 
 
+def test_packed_group_scales_are_held_once_and_saved_loaded_moved_as_float32():
+    """Q8_0's group scales on our kernel live only in its float16 lanes; the state dict, a load
+    (checked like any buffer's), a cast and a move see float32 (rows, groups) as before."""
+    from llm.quant.modules import Int8Embedding
+
+    if cpu_quant.unavailable():
+        pytest.skip(f"llm CPU kernels: {cpu_quant.unavailable()}")
+    codes, scales = q8_0_blocks(fake_q8_0(40, 96))
+    layer = Int8Linear(codes, scales, None, torch.float32)
+    table = Int8Embedding(codes, scales)
+    head = table.tied_head(torch.float32)
+    x, ids = torch.randn(2, 96), torch.tensor([0, 39, 17])
+    out, rows = layer(x), table(ids)
+    for module in (layer, table, head):
+        assert module.packed and module.scales_in_lanes and not hasattr(module, "scales")
+        assert torch.equal(module.group_scales(), scales) and torch.equal(module.state_dict()["scales"], scales)
+    assert head.kernel_scales is table.kernel_scales and torch.equal(head(x), out)
+    assert torch.equal(rows, int8_dequantize(codes, scales, torch.float32)[ids])
+    # a load into a layer holding other values gives this one's outputs, and its scales only in lanes
+    other = Int8Linear(codes.flip(0), scales.flip(0), None, torch.float32)
+    other.load_state_dict(layer.state_dict())
+    assert other.scales_in_lanes and torch.equal(other(x), out)
+    with pytest.raises(RuntimeError, match="size mismatch for scales"):
+        other.load_state_dict({**layer.state_dict(), "scales": scales[:, :2]})
+    with pytest.raises(RuntimeError, match='Missing key.*"scales"'):
+        other.load_state_dict({"weight": codes})
+    # a cast there and back keeps the bits and the single copy
+    for module, call, expected in ((layer, lambda m: m(x), out), (table, lambda m: m(ids), rows)):
+        module.double().float()
+        assert module.scales_in_lanes and module.kernel_scales.dtype == torch.float16
+        assert torch.equal(call(module), expected)
+
+
 @pytest.mark.parametrize("kernel", ["llm", "torch"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_linears_multiply_by_their_dequantized_weights(method, kernel):
