@@ -173,6 +173,33 @@ def test_huge_pages_fault_in_what_is_placed_and_nothing_more():
     assert _resident_bytes(base) == resident and pages.copy(torch.ones(5)).sum() == 5
 
 
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_huge_pages_stop_at_the_last_whole_one_of_what_is_surely_filled():
+    """Huge pages are advised up to the last whole huge page of the bytes known to be filled and
+    not after it, where one would be taken whole for a part."""
+    huge = cpu_quant.HUGE_PAGE
+    pages = cpu_quant.HugePages(64 << 20, huge=3 * huge + 4096)
+    base = pages._arena.data_ptr() + pages._used  # the first huge page boundary
+    assert "hg" in _vm_flags(base) and "hg" in _vm_flags(base + 3 * huge - 1)
+    assert "hg" not in _vm_flags(base + 3 * huge) and "hg" not in _vm_flags(base + (60 << 20))
+    whole, none = cpu_quant.HugePages(8 << 20), cpu_quant.HugePages(8 << 20, huge=huge - 1)
+    assert "hg" in _vm_flags(whole._arena.data_ptr() + whole._used + 3 * huge)  # all of nbytes by default
+    assert "hg" not in _vm_flags(none._arena.data_ptr() + none._used)
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
 def test_huge_pages_fault_in_ahead_on_a_thread_of_their_own():
     """fault_in(n) puts the region's next n bytes (from where the next tensor goes) in memory on

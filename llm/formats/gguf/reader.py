@@ -540,7 +540,7 @@ def _load(reader, *, dtype: torch.dtype | None, device: torch.device | str | Non
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
     pages = None
     if _huge_pages_apply(model.device, backend):  # made ahead by preloading(), else now
-        pages = reader.__dict__.pop("_llm_pages", None) or cpu_quant.HugePages(_region_bytes(reader)[0])
+        pages = reader.__dict__.pop("_llm_pages", None) or cpu_quant.HugePages(*_region_bytes(reader))
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
@@ -629,7 +629,7 @@ def preloading(name_or_path: str | os.PathLike, *, device: torch.device | str | 
         reader = None
     if reader is not None and (quantization == "gguf" or _quantized(reader)):
         room, placed = _region_bytes(reader)
-        reader._llm_pages = cpu_quant.HugePages(room)  # taken by load_gguf, once
+        reader._llm_pages = cpu_quant.HugePages(room, placed)  # taken by load_gguf, once
         reader._llm_pages.fault_in(placed)
     try:
         yield
