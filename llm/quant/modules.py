@@ -141,6 +141,7 @@ class _Int8Codes(nn.Module):
         if not (self.packed and scales is not None and scales.dim() == 2):
             return False
         self.register_buffer("kernel_scales", cpu_quant.lane_scales(scales), persistent=False)
+        self._scales_dtype = scales.dtype  # what the state dict and a lookup give, as before
         del self._buffers["scales"]
         return True
 
@@ -150,10 +151,10 @@ class _Int8Codes(nn.Module):
         return "scales" not in self._buffers
 
     def group_scales(self) -> torch.Tensor:
-        """The scales as the state dict holds them: (rows,), or (rows, groups) float32 from the
-        kernel's lanes where it holds them (:attr:`scales_in_lanes`)."""
+        """The scales as the state dict holds them: (rows,), or (rows, groups) from the kernel's
+        lanes where it holds them (:attr:`scales_in_lanes`), in the dtype they were given in."""
         if self.scales_in_lanes:
-            return cpu_quant.unlane_scales(self.kernel_scales, self._shape()[0])
+            return cpu_quant.unlane_scales(self.kernel_scales, self._shape()[0]).to(self._scales_dtype)
         return self.scales
 
     def _scales_as_buffer(self) -> None:
@@ -337,9 +338,11 @@ class Int8Embedding(_Int8Codes):
         return head
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.packed and (self.scales_in_lanes or self.scales.dtype == torch.float32):
-            scales = self.kernel_scales if self.scales_in_lanes else self.scales
-            return cpu_quant.int8_embedding(self.weight, scales, input_ids.long())  # int32 ids too, as nn.Embedding
+        if self.packed and self.scales_in_lanes:
+            rows = cpu_quant.int8_embedding(self.weight, self.kernel_scales, input_ids.long())
+            return rows.to(self._scales_dtype)
+        if self.packed and self.scales.dtype == torch.float32:
+            return cpu_quant.int8_embedding(self.weight, self.scales, input_ids.long())  # int32 ids too, as nn.Embedding
         rows = cpu_quant.gather_int8_rows(self.weight, input_ids) if self.packed else self.weight[input_ids]
         return int8_dequantize(rows, self.scales[input_ids], self.scales.dtype)
 

@@ -314,6 +314,9 @@ def test_packed_group_scales_are_held_once_and_saved_loaded_moved_as_float32():
         assert module.packed and module.scales_in_lanes and not hasattr(module, "scales")
         assert torch.equal(module.group_scales(), scales) and torch.equal(module.state_dict()["scales"], scales)
     assert head.kernel_scales is table.kernel_scales and torch.equal(head(x), out)
+    wide = Int8Embedding(codes, scales.double())  # given in another dtype: saved and looked up in it
+    assert wide.scales_in_lanes and wide.state_dict()["scales"].dtype == torch.float64
+    assert torch.equal(wide.group_scales(), scales.double()) and wide(ids).dtype == torch.float64
     assert torch.equal(rows, int8_dequantize(codes, scales, torch.float32)[ids])
     # a load into a layer holding other values gives this one's outputs, and its scales only in lanes
     other = Int8Linear(codes.flip(0), scales.flip(0), None, torch.float32)
