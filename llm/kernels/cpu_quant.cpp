@@ -295,9 +295,10 @@ at::Tensor int8_linear_cpu(const at::Tensor& x_in, const at::Tensor& codes, cons
 // (rows,)), its groups' (float32 (rows, K / G)), or its groups' as the int8 kernel holds them
 // (float16 lanes (blocks, K / G, 16): the output layer's own, shared by a tied table): float32
 // (*ids.shape, K), the values of `float(code) * scale` (an embedding lookup in one call, with no
-// unpacked copy of a table the output layer shares). Lanes count the padding rows of the last
-// block as rows (zero codes and scales: zero embeddings); the caller checks ids against its vocabulary.
-at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids_in) {
+// unpacked copy of a table the output layer shares). `rows`: the table's rows, which lanes do not
+// tell (they pad the last 16); -1: those of the scales, all of the lanes' blocks.
+at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& ids_in,
+                              int64_t rows_in) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes && codes.size(3) == 4 && codes.scalar_type() == at::kChar &&
               codes.is_contiguous(), "codes must be the packed int8 layout (blocks, K / 4, 16, 4)");
   const int64_t steps = codes.size(1), K = steps * 4;
@@ -312,7 +313,8 @@ at::Tensor int8_embedding_cpu(const at::Tensor& codes, const at::Tensor& scales,
   TORCH_CHECK(ids_in.scalar_type() == at::kLong, "ids must be int64");
   const at::Tensor ids = ids_in.contiguous();
   const int64_t n = ids.numel(), G = K / groups;
-  const int64_t rows = lanes ? codes.size(0) * kLanes : std::min<int64_t>(codes.size(0) * kLanes, scales.size(0));
+  const int64_t padded = codes.size(0) * kLanes;
+  const int64_t rows = std::min<int64_t>(padded, rows_in >= 0 ? rows_in : lanes ? padded : scales.size(0));
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(K);
   at::Tensor out = at::empty(shape, codes.options().dtype(at::kFloat));
@@ -728,7 +730,7 @@ TORCH_LIBRARY(llm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("sample_row(Tensor logits, float temperature, int top_k, float top_p, float min_p, float u) -> int");
-  m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids) -> Tensor");
+  m.def("int8_embedding(Tensor codes, Tensor scales, Tensor ids, int rows=-1) -> Tensor");
   m.def("gguf_q4_pack(Tensor blocks, int in_features) -> Tensor[]");
   m.def("gguf_q4_pack_out(Tensor blocks, int in_features, Tensor(a!) codes, Tensor(b!) scales, Tensor(c!)? mins) -> ()");
   m.def("gguf_q8_pack(Tensor blocks, int in_features) -> Tensor[]");

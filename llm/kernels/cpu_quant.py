@@ -174,7 +174,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("llm::int8_embedding")
-    def _(codes, scales, ids):
+    def _(codes, scales, ids, rows=-1):
         return scales.new_empty((*ids.shape, codes.shape[1] * 4), dtype=torch.float32)
 
     @torch.library.register_fake("llm::argmax_rows")
@@ -324,11 +324,11 @@ def gather_int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return packed[ids // LANES, :, ids % LANES].reshape(*ids.shape, steps * 4)
 
 
-def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, rows: int = -1) -> torch.Tensor:
     """Rows ``ids`` (any shape, int64) of a packed int8 table times their ``scales``: float32, one
     per row (rows,) or per group of G inputs (rows, K / G), or in groups as the int8 kernel holds
-    them (:func:`lane_scales`' float16 (ceil(rows / 16), K / G, 16), where the padding rows of the
-    last 16 count as rows of zeros): float32 (*ids.shape, K), the bits of
+    them (:func:`lane_scales`' float16 (ceil(rows / 16), K / G, 16), with ``rows`` given: lanes pad
+    the last 16): float32 (*ids.shape, K), the bits of
     ``gather_int8_rows(packed, ids).float() * scales[ids, None]`` (groups: each scale repeated G
     times) in one call.
 
@@ -336,7 +336,7 @@ def int8_embedding(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor
         RuntimeError: an id outside the table, or another layout or dtype.
     """
     _require()
-    return torch.ops.llm.int8_embedding(packed, scales, ids)
+    return torch.ops.llm.int8_embedding(packed, scales, ids, rows)
 
 
 #: Transparent huge pages' size on x86-64: a region aligned to it can be backed by them.

@@ -117,7 +117,9 @@ class _Int8Codes(nn.Module):
     float16 lanes (:func:`llm.kernels.cpu_quant.lane_scales`), which hold a Q8_0 block's d exactly
     and are what the kernel multiplies by whatever the scales given. A float32 ``scales`` buffer
     beside them was 12% of a Q8_0 file's size in memory. The state dict still holds ``scales``
-    float32 (rows, groups) (:meth:`group_scales`), and a move or a cast sees them as a buffer.
+    (rows, groups) in the dtype they were given in (:meth:`group_scales`), and a move, a cast or a
+    load sees them as a buffer. A cast or a load writes the lanes in place, so that a tied output
+    layer goes on sharing them and the model's weights version (its caches' check) moves.
     """
 
     packed: bool
@@ -136,11 +138,16 @@ class _Int8Codes(nn.Module):
         self._lane_group_scales()
 
     def _lane_group_scales(self) -> bool:
-        """Packed scales in groups to the kernel's lanes, held there alone; whether it did."""
+        """Packed scales in groups to the kernel's lanes, held there alone (into the lanes held
+        before where they fit: :meth:`_scales_as_buffer`); whether it did."""
         scales = self._buffers.get("scales")
+        held = self.__dict__.pop("_held_lanes", None)
         if not (self.packed and scales is not None and scales.dim() == 2):
             return False
-        self.register_buffer("kernel_scales", cpu_quant.lane_scales(scales), persistent=False)
+        lanes = cpu_quant.lane_scales(scales)
+        if held is not None and (held.shape, held.dtype, held.device) == (lanes.shape, lanes.dtype, lanes.device):
+            lanes = held.copy_(lanes)
+        self.register_buffer("kernel_scales", lanes, persistent=False)
         self._scales_dtype = scales.dtype  # what the state dict and a lookup give, as before
         del self._buffers["scales"]
         return True
@@ -157,12 +164,14 @@ class _Int8Codes(nn.Module):
             return cpu_quant.unlane_scales(self.kernel_scales, self._shape()[0]).to(self._scales_dtype)
         return self.scales
 
-    def _scales_as_buffer(self) -> None:
-        """Scales held in lanes as a ``scales`` buffer again, for a move, a cast or a load to see
-        (laned again by :meth:`_refresh`)."""
-        if self.scales_in_lanes:
-            self.register_buffer("scales", self.group_scales())
-            self._buffers.pop("kernel_scales", None)
+    def _scales_as_buffer(self) -> bool:
+        """Scales held in lanes as a ``scales`` buffer again, for a move, a cast or a load to see,
+        the lanes kept aside to be written in place by :meth:`_lane_group_scales`; whether it did."""
+        if not self.scales_in_lanes:
+            return False
+        self.register_buffer("scales", self.group_scales())
+        self._held_lanes = self._buffers.pop("kernel_scales")
+        return True
 
     def codes(self) -> torch.Tensor:
         """The int8 codes, (rows, cols)."""
@@ -186,11 +195,19 @@ class _Int8Codes(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        if self.scales_in_lanes:
-            if prefix + "scales" in state_dict:  # loaded (its shape checked) into a buffer, laned again after
-                self._scales_as_buffer()
-            else:
-                missing_keys.append(prefix + "scales")
+        if self.scales_in_lanes and prefix + "scales" not in state_dict:
+            missing_keys.append(prefix + "scales")
+        # loaded (its shape checked) into a buffer, laned again whatever happens to the load
+        laned = self.scales_in_lanes and prefix + "scales" in state_dict and self._scales_as_buffer()
+        try:
+            self._load_codes_and_buffers(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                         error_msgs)
+        finally:
+            if laned:
+                self._lane_group_scales()
+
+    def _load_codes_and_buffers(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                error_msgs):
         codes = state_dict.get(prefix + "weight")
         if codes is not None and self.packed:
             if codes.dtype != torch.int8 or tuple(codes.shape) != self._shape():
@@ -339,7 +356,7 @@ class Int8Embedding(_Int8Codes):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed and self.scales_in_lanes:
-            rows = cpu_quant.int8_embedding(self.weight, self.kernel_scales, input_ids.long())
+            rows = cpu_quant.int8_embedding(self.weight, self.kernel_scales, input_ids.long(), self.num_embeddings)
             return rows.to(self._scales_dtype)
         if self.packed and self.scales.dtype == torch.float32:
             return cpu_quant.int8_embedding(self.weight, self.scales, input_ids.long())  # int32 ids too, as nn.Embedding

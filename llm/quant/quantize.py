@@ -178,9 +178,7 @@ def quantize_head(model: nn.Module, weight: torch.Tensor | tuple[torch.Tensor, t
         _set(model, HEAD, Int8Linear(codes, scales, model.lm_head.bias, activation_dtype, packed=packed,
                                      in_features=dim, backend=backend))
         return HEAD
-    embedding = Int8Embedding(codes, scales, backend, packed=packed, embedding_dim=dim)
-    if not embedding.scales_in_lanes:
-        embedding.scales = embedding.scales.to(model.norm_f.weight.dtype)
+    embedding = Int8Embedding(codes, scales.to(model.norm_f.weight.dtype), backend, packed=packed, embedding_dim=dim)
     model.wte = embedding
     model.lm_head = embedding.tied_head(activation_dtype)
     return EMBEDDING

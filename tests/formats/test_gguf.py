@@ -419,6 +419,43 @@ def test_a_q8_0_file_runs_on_its_own_blocks_and_saves_as_a_bundle(tmp_path, tied
         torch.testing.assert_close(got, reference, atol=0.05 * scale, rtol=0)
 
 
+@torch.no_grad()
+def test_a_q8_0_models_scales_held_in_lanes_behave_as_a_buffer_would(tmp_path):
+    """A Q8_0 file's scales, held once in the kernel's lanes: a load writes them in place (the
+    tied output layer still shares them, and a cache computed before is refused), a cast keeps
+    them shared, and a model loaded in bfloat16 embeds and generates in bfloat16."""
+    from gguf import GGMLQuantizationType as Q
+
+    model = tiny_hf_llama()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    names = ["token_embd.weight"] + [f"blk.{i}.{part}.weight" for i in range(2) for part in
+                                     ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    path = write_gguf(tmp_path / "q8.gguf", model, dict.fromkeys(names, Q.Q8_0))
+    ours = load_gguf(path, attn_impl="torch")
+    if not ours.wte.scales_in_lanes:
+        pytest.skip("our CPU kernels do not run here")
+    ids = torch.tensor([[5, 17, 3, 90]])
+    cache = DynamicCache()
+    ours(ids, past_key_values=cache, use_cache=True)
+    scales = ours.state_dict()["wte.scales"]
+    ours.load_state_dict({"wte.scales": 2 * scales}, strict=False)
+    assert ours.lm_head.kernel_scales is ours.wte.kernel_scales and torch.equal(ours.state_dict()["wte.scales"], 2 * scales)
+    with pytest.raises(ValueError, match="computed before its weights were"):
+        ours(ids[:, :1], past_key_values=cache, use_cache=True)
+    ours.load_state_dict({"wte.scales": scales}, strict=False)
+    before = ours(ids).logits
+    ours.float()
+    assert ours.lm_head.kernel_scales is ours.wte.kernel_scales and torch.equal(ours(ids).logits, before)
+    # a load that fails leaves the layer working, its scales in lanes
+    with pytest.raises(RuntimeError, match="expected int8 codes"):
+        ours.lm_head.load_state_dict({"weight": torch.zeros(3, 3, dtype=torch.int8), "scales": scales})
+    assert ours.lm_head.scales_in_lanes and torch.equal(ours(ids).logits, before)
+    half = load_gguf(path, attn_impl="torch", dtype=torch.bfloat16)
+    assert half.wte(ids).dtype == torch.bfloat16 and half.state_dict()["wte.scales"].dtype == torch.bfloat16
+    assert half.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
 def test_from_pretrained_finds_the_gguf_loader_whatever_was_imported(tmp_path):
     """The formats layer registers its loaders in llm.bundle.LOADERS when any part of llm is imported,
     so a process that imports only llm.model loads a .gguf file (a fresh interpreter: this one has

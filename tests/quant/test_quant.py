@@ -318,6 +318,8 @@ def test_packed_group_scales_are_held_once_and_saved_loaded_moved_as_float32():
     assert wide.scales_in_lanes and wide.state_dict()["scales"].dtype == torch.float64
     assert torch.equal(wide.group_scales(), scales.double()) and wide(ids).dtype == torch.float64
     assert torch.equal(rows, int8_dequantize(codes, scales, torch.float32)[ids])
+    with pytest.raises(RuntimeError, match="id 40 is outside the table's 40 rows"):  # lanes pad to 48
+        table(torch.tensor([40]))
     # a load into a layer holding other values gives this one's outputs, and its scales only in lanes
     other = Int8Linear(codes.flip(0), scales.flip(0), None, torch.float32)
     other.load_state_dict(layer.state_dict())
