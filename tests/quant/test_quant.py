@@ -144,17 +144,23 @@ def test_q4_blocks_packed_into_huge_pages_are_the_same_tensors(make):
         torch.ops.llm.gguf_q4_pack_out(raw, cols, *expected[:2], None if len(garbage) == 3 else expected[1])
 
 
-def _resident_bytes(address: int) -> int:
-    """Resident bytes of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (``"Rss:"``, ``"VmFlags:"``) of the mapping of this process that
+    holds ``address`` (/proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) * 1024
+        elif inside and head == field:
+            return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _resident_bytes(address: int) -> int:
+    """Resident bytes of the mapping of this process that holds ``address``."""
+    return int(_smaps_field(address, "Rss:")[0]) * 1024
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
@@ -174,16 +180,8 @@ def test_huge_pages_fault_in_what_is_placed_and_nothing_more():
 
 
 def _vm_flags(address: int) -> set[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """The VmFlags of the mapping of this process that holds ``address``."""
+    return set(_smaps_field(address, "VmFlags:"))
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
