@@ -373,12 +373,16 @@ class HugePages:
         self._populate = True  # until the platform says it cannot (llm.utils.memory.fault_in)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """An uninitialized tensor in the region, at a 64-byte boundary (a view of the region's
-        storage, which it keeps alive), or None if it no longer fits."""
+        """An uninitialized tensor in the region, at a 64-byte boundary (a storage of its own over
+        the region's memory, which it keeps mapped), or None if it no longer fits."""
         size = math.prod(shape) * dtype.itemsize
         if self._used + size > self._arena.numel():
             return None
-        view = self._arena[self._used:self._used + size].view(dtype).view(shape)
+        if not size:
+            return torch.empty(shape, dtype=dtype)
+        # not a view of the region's uint8 storage: torch.save and pickle write each tensor alone,
+        # where they refused views of one storage as several dtypes, or wrote the whole region for each
+        view = torch.frombuffer(self._region, dtype=dtype, count=math.prod(shape), offset=self._used).view(shape)
         if self._populate and size:
             start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
             self._populate = _fault_in(self._arena.data_ptr() + start, self._used + size - start)
@@ -402,7 +406,8 @@ class HugePages:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in the region."""
-        return tensor.untyped_storage().data_ptr() == self._arena.untyped_storage().data_ptr()
+        start = self._arena.data_ptr()
+        return start <= tensor.untyped_storage().data_ptr() < start + self._arena.numel()
 
     def left(self) -> int:
         """Bytes still free in the region."""

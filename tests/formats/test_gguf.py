@@ -456,6 +456,34 @@ def test_a_q8_0_models_scales_held_in_lanes_behave_as_a_buffer_would(tmp_path):
     assert half.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
+@torch.no_grad()
+def test_a_gguf_model_in_huge_pages_pickles_and_saves_whole_at_its_size(tmp_path):
+    """Each tensor placed in the huge pages has a storage of its own: torch.save of the whole
+    model and pickle write each once (views of the region's one storage were refused, or written
+    whole for each tensor), and load back to the same logits."""
+    import io
+    import pickle
+
+    from gguf import GGMLQuantizationType as Q
+
+    model = tiny_hf_llama()
+    names = ["token_embd.weight", "output.weight"] + [
+        f"blk.{i}.{part}.weight" for i in range(2)
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    path = write_gguf(tmp_path / "m.gguf", model, {n: Q.Q4_1 if n.startswith("blk.0.") else Q.Q8_0 for n in names})
+    ours = load_gguf(path, attn_impl="torch")
+    ids = torch.tensor([[5, 17, 3, 90]])
+    logits = ours(ids).logits
+    size = sum(t.numel() * t.element_size() for t in {b.data_ptr(): b for b in ours.buffers()}.values())
+    saved = io.BytesIO()
+    torch.save(ours, saved)
+    pickled = pickle.dumps(ours)
+    assert max(saved.tell(), len(pickled)) < 2 * size + (1 << 20)
+    saved.seek(0)
+    for again in (torch.load(saved, weights_only=False), pickle.loads(pickled)):
+        assert torch.equal(again(ids).logits, logits)
+
+
 def test_from_pretrained_finds_the_gguf_loader_whatever_was_imported(tmp_path):
     """The formats layer registers its loaders in llm.bundle.LOADERS when any part of llm is imported,
     so a process that imports only llm.model loads a .gguf file (a fresh interpreter: this one has
