@@ -375,15 +375,16 @@ class HugePages:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized tensor in the region, at a 64-byte boundary (a storage of its own over
         the region's memory, which it keeps mapped), or None if it no longer fits."""
-        size = math.prod(shape) * dtype.itemsize
+        count = math.prod(shape)
+        size = count * dtype.itemsize
         if self._used + size > self._arena.numel():
             return None
         if not size:
             return torch.empty(shape, dtype=dtype)
         # not a view of the region's uint8 storage: torch.save and pickle write each tensor alone,
         # where they refused views of one storage as several dtypes, or wrote the whole region for each
-        view = torch.frombuffer(self._region, dtype=dtype, count=math.prod(shape), offset=self._used).view(shape)
-        if self._populate and size:
+        view = torch.frombuffer(self._region, dtype=dtype, count=count, offset=self._used).view(shape)
+        if self._populate:
             start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
             self._populate = _fault_in(self._arena.data_ptr() + start, self._used + size - start)
         self._used += -(-size // 64) * 64

@@ -195,10 +195,10 @@ class _Int8Codes(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        if self.scales_in_lanes and prefix + "scales" not in state_dict:
-            missing_keys.append(prefix + "scales")
         # loaded (its shape checked) into a buffer, laned again whatever happens to the load
-        laned = self.scales_in_lanes and prefix + "scales" in state_dict and self._scales_as_buffer()
+        laned = prefix + "scales" in state_dict and self._scales_as_buffer()
+        if self.scales_in_lanes:  # held in lanes, and the state dict has none
+            missing_keys.append(prefix + "scales")
         try:
             self._load_codes_and_buffers(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                          error_msgs)
@@ -269,7 +269,8 @@ class Int8Linear(_Int8Codes):
         # The scales as the kernel takes them, cast once rather than at every call: inside a
         # compiled graph the per-call cast is an unrealized pointwise node that inductor's
         # _weight_int8pack_mm lowering (torch 2.7) rejects with an AssertionError.
-        if not self._lane_group_scales() and not self.scales_in_lanes:
+        self._lane_group_scales()
+        if not self.scales_in_lanes:
             scales = cpu_quant.lane_scales(self.scales) if self.packed else self.scales.to(self._torch_dtype())
             self.register_buffer("kernel_scales", scales, persistent=False)
         cpu_quant.changed()
