@@ -29,6 +29,9 @@ from llm.generation.sampling import Sampler
 
 #: The most positions ``generate`` allocates a cache for up front (SmolLM2: 46 KB a position).
 _EXPECT_LIMIT = 8192
+# Most tokens of one whole-steps call (Decoding._whole_steps): a chunk streams out at once, 16
+# tokens are about 0.1 s of SmolLM2 on 2 cores; the first chunks are shorter (4, then doubling).
+_CHUNK_FIRST, _CHUNK_MOST = 4, 16
 
 
 def check_finite_logits(logits: torch.Tensor) -> None:
@@ -178,6 +181,7 @@ class Decoding:
         self.stats = dict(prefill_tokens=int(self.mask[:, self.cached:].sum()), new_tokens=0, forward_passes=0,
                           proposed_tokens=0, accepted_tokens=0, draft_forward_passes=0)
         self.prefill_s = self.decode_s = 0.0
+        self._chunk = _CHUNK_FIRST
 
     def _open_cache(self, cache: Cache | None) -> int:
         """Take ``cache`` (a new DynamicCache for None), checked to hold a strict prefix of the
@@ -292,6 +296,9 @@ class Decoding:
         if self.padded and self.static is None:  # the static decoder keeps its own key mask
             self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         if draft is None or draft.numel() == 0:
+            chunk = self._whole_steps(last) if self.schedule is None else None
+            if chunk is not None:
+                return chunk
             logits = self._forward(last[:, None])[:, -1]
             chunk = self._emit(self.sampler.pick(logits, self.seen)[:, None])
             if self.schedule is not None:
@@ -309,6 +316,39 @@ class Decoding:
         self.cache.crop(cached + chunk.shape[1])
         self.proposer.accepted(self.history[0])
         self.schedule.step_done(draft.numel(), accepted)
+        return chunk
+
+    def _whole_steps(self, last: torch.Tensor) -> torch.Tensor | None:
+        """The next chunk of (1, n) tokens emitted, decoded in one kernel call
+        (:meth:`llm.model.buffer.FusedSteps.tokens`): the tokens, cache and random draws of as many
+        one-token steps. None, with nothing done, where it does not run: a batch, padding, the
+        repetition penalty, draws on another device, or a model off the fused kernel."""
+        sampler = self.sampler
+        generator = sampler.generator if sampler.generator is not None else torch.default_generator
+        if (self.steps is None or self.batch != 1 or self.padded or self.seen is not None
+                or (not sampler.greedy and generator.device.type != "cpu")):
+            return None
+        k = min(self._chunk, self.max_new_tokens - len(self.new_tokens[0]))
+        sampling = uniforms = state = None
+        if not sampler.greedy:  # one draw a token, as Sampler.pick's: the same numbers in the same order
+            sampling = (sampler.temperature, sampler.top_k or 0, 1.0 if sampler.top_p is None else sampler.top_p,
+                        sampler.min_p or 0.0)
+            state = generator.get_state()
+            uniforms = torch.rand(k, generator=generator, dtype=torch.float64)
+        past = self.cache.get_seq_length()
+        new = self.steps.tokens(int(last[0]), k, self.eos, sampling, uniforms)
+        if new is None:
+            if state is not None:
+                generator.set_state(state)
+            return None
+        self._chunk = min(2 * self._chunk, _CHUNK_MOST)
+        self.stats["forward_passes"] += len(new)
+        chunk = self._emit(new[None])
+        if chunk.shape[1] < len(new):  # a stop string inside: the cache of as many steps as tokens emitted
+            self.cache.crop(past + chunk.shape[1])
+        if state is not None and chunk.shape[1] < k:  # the generator as after the draws of the tokens emitted
+            generator.set_state(state)
+            torch.rand(chunk.shape[1], generator=generator, dtype=torch.float64)
         return chunk
 
     def _accept(self, draft, draft_probs, logits):

@@ -699,6 +699,75 @@ int64_t sample_row_cpu(const at::Tensor& logits_in, double temperature, int64_t 
   return token;
 }
 
+// The next `steps` tokens of one unpadded row after `token`, each fed back: per token the
+// embedding lookup, decoder_blocks at buffer position past + i (rotary row position + i, its key
+// mask column set), the final norm, the output layer and the pick (argmax_rows, or sample_row with
+// uniforms[i] where temperature > 0), stopping after an eos id: the ops a Python decoding step
+// calls, in the same order on the same arguments (the same bits), with no return to Python between
+// tokens (the interpreter's share of a step was a tenth of it on SmolLM2). Returns the tokens, int64 (n,).
+at::Tensor decode_tokens_cpu(int64_t token, int64_t steps, const at::Tensor& embed, const c10::optional<at::Tensor>& embed_scales,
+                             int64_t embed_rows, at::TensorList norms, double eps,
+                             const c10::List<c10::optional<at::Tensor>>& weights, at::IntArrayRef out_features,
+                             const c10::optional<at::Tensor>& cos_table, const c10::optional<at::Tensor>& sin_table,
+                             int64_t position, at::TensorList k_caches, at::TensorList v_caches, int64_t past,
+                             const at::Tensor& key_mask, int64_t n_heads, double scale, const at::Tensor& final_norm,
+                             double final_eps, const c10::List<c10::optional<at::Tensor>>& head, int64_t head_group,
+                             int64_t vocab, at::IntArrayRef eos, double temperature, int64_t top_k, double top_p,
+                             double min_p, const c10::optional<at::Tensor>& uniforms_in) {
+  check_isa();
+  TORCH_CHECK(steps >= 0, "steps must be >= 0, got ", steps);
+  TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 4 && k_caches[0].size(0) == 1,
+              "decode_tokens decodes one row: k_caches must be (1, kv_n_heads, capacity, head_dim)");
+  const int64_t T = k_caches[0].size(2);
+  TORCH_CHECK(key_mask.scalar_type() == at::kBool && key_mask.is_contiguous() && key_mask.dim() == 3 &&
+                  key_mask.size(0) == 1 && key_mask.size(1) == 1 && key_mask.size(2) == T,
+              "key_mask must be contiguous bool (1, 1, ", T, "), got ", key_mask.sizes());
+  TORCH_CHECK(past >= 0 && past + steps <= T, "positions ", past, " to ", past + steps, " do not fit the buffer of ", T);
+  TORCH_CHECK(cos_table.has_value() == sin_table.has_value(), "cos_table and sin_table come together");
+  if (cos_table.has_value())
+    TORCH_CHECK(cos_table->dim() == 2 && position >= 0 && position + steps <= cos_table->size(0),
+                "rotary positions ", position, " to ", position + steps, " are outside the table's ",
+                cos_table->dim() == 2 ? cos_table->size(0) : 0, " rows");
+  const bool greedy = temperature == 0;
+  at::Tensor uniforms;
+  if (!greedy) {
+    TORCH_CHECK(uniforms_in.has_value() && uniforms_in->scalar_type() == at::kDouble && uniforms_in->dim() == 1 &&
+                    uniforms_in->size(0) >= steps,
+                "sampling (temperature > 0) needs float64 uniforms (steps,) = (", steps, ",)");
+    uniforms = uniforms_in->contiguous();
+  }
+  TORCH_CHECK(head.size() == 3 && head.get(0).has_value() && head.get(1).has_value(),
+              "head must be (codes, scales, mins or None)");
+  const at::Tensor head_codes = *head.get(0), head_scales = *head.get(1);
+  const bool head_int4 = head_codes.scalar_type() == at::kByte;
+  at::Tensor out = at::empty({steps}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  at::Tensor ids = at::empty({1, 1}, at::kLong);
+  bool* seen = key_mask.data_ptr<bool>();
+  const int64_t D = embed_scales.has_value() ? embed.size(1) * 4 : embed.size(-1);
+  int64_t n = 0;
+  while (n < steps) {
+    ids.data_ptr<int64_t>()[0] = token;
+    at::Tensor x = embed_scales.has_value() ? int8_embedding_cpu(embed, *embed_scales, ids, embed_rows)
+                                            : embed.index_select(0, ids.view({1})).view({1, 1, D});
+    c10::optional<at::Tensor> cos, sin;
+    if (cos_table.has_value())
+      cos = cos_table->narrow(0, position + n, 1).unsqueeze(0), sin = sin_table->narrow(0, position + n, 1).unsqueeze(0);
+    const at::Tensor cache_position = at::full({1}, past + n, at::kLong);
+    seen[past + n] = true;
+    x = decoder_blocks_cpu(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches, cache_position, key_mask,
+                           n_heads, scale);
+    const at::Tensor h = rms_norm_cpu(x.view({1, D}), final_norm, final_eps);
+    const at::Tensor logits = head_int4 ? int4_linear_cpu(h, head_codes, head_scales, head.get(2), head_group, vocab)
+                                        : int8_linear_cpu(h, head_codes, head_scales, vocab);
+    token = greedy ? argmax_rows_cpu(logits).data_ptr<int64_t>()[0]
+                   : sample_row_cpu(logits[0], temperature, top_k, top_p, min_p, uniforms.data_ptr<double>()[n]);
+    o[n++] = token;
+    if (std::find(eos.begin(), eos.end(), token) != eos.end()) break;
+  }
+  return out.narrow(0, 0, n);
+}
+
 const std::string cpu_isa() { return isa(); }
 
 // The pacing's state, for tests: (calls left on one thread, the next stretch).
@@ -739,6 +808,11 @@ TORCH_LIBRARY(llm, m) {
   m.def("decoder_blocks(Tensor x, Tensor[] norms, float eps, Tensor?[] weights, int[] out_features, Tensor? cos, "
         "Tensor? sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor cache_position, Tensor mask, int n_heads, "
         "float scale) -> Tensor");
+  m.def("decode_tokens(int token, int steps, Tensor embed, Tensor? embed_scales, int embed_rows, Tensor[] norms, "
+        "float eps, Tensor?[] weights, int[] out_features, Tensor? cos_table, Tensor? sin_table, int position, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int past, Tensor(c!) key_mask, int n_heads, float scale, "
+        "Tensor final_norm, float final_eps, Tensor?[] head, int head_group, int vocab, int[] eos, float temperature, "
+        "int top_k, float top_p, float min_p, Tensor? uniforms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm, CPU, m) {
@@ -754,4 +828,5 @@ TORCH_LIBRARY_IMPL(llm, CPU, m) {
   m.impl("gguf_q8_pack_out", &gguf_q8_pack_into);
   m.impl("decode_attention", &decode_attention_cpu);
   m.impl("decoder_blocks", &decoder_blocks_cpu);
+  m.impl("decode_tokens", &decode_tokens_cpu);
 }

@@ -533,3 +533,57 @@ def decoder_blocks(x: torch.Tensor, norms: list[torch.Tensor], eps: float, weigh
     _require()
     return torch.ops.llm.decoder_blocks(x, norms, eps, weights, out_features, cos, sin, k_caches, v_caches,
                                         cache_position, mask, n_heads, scale)
+
+
+def decode_tokens(token: int, steps: int, embedding: tuple[torch.Tensor, torch.Tensor | None, int],
+                  norms: list[torch.Tensor], weights: list[torch.Tensor | None], shape: tuple,
+                  rotary: tuple[torch.Tensor, torch.Tensor] | None, position: int, k_caches: list[torch.Tensor],
+                  v_caches: list[torch.Tensor], past: int, key_mask: torch.Tensor, final_norm: torch.Tensor,
+                  final_eps: float, head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], head_group: int,
+                  vocab_size: int, eos: tuple[int, ...], sampling: tuple[float, int, float, float] | None = None,
+                  uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """Up to ``steps`` whole decoding steps of one unpadded row in one call, each new token fed back.
+
+    Per token: the embedding row of the token fed, :func:`decoder_blocks` over the cache buffer at
+    position ``past + i`` (its ``key_mask`` column set True, rotary row ``position + i``), the final
+    :func:`rms_norm`, the output layer (:func:`int8_linear` or :func:`int4_linear`) and the pick:
+    :func:`argmax_rows`, or, with ``sampling``, ``llm::sample_row`` with ``uniforms[i]``. These are
+    the operators a Python decoding step calls (:class:`llm.model.buffer.FusedSteps`, then
+    :meth:`llm.generation.sampling.Sampler.pick`) on the same arguments, so the tokens are the same
+    to the bit; without returning to Python between tokens (llama.cpp's decoding loop in C++), the
+    step loses the interpreter's 0.3-0.7 ms (a tenth of a SmolLM2 step on 2 cores). Eager only:
+    the number of tokens depends on the data.
+
+    Args:
+        token: the id fed first (the last token emitted).
+        steps: the most tokens to decode; decoding stops after the first id in ``eos``.
+        embedding: (table, scales, rows): a packed int8 table with its scales and row count, as
+            ``llm::int8_embedding`` takes them, or (float32 (vocab, d_model), None, 0).
+        norms, weights, shape: the blocks' fused weights (:class:`llm.model.buffer.FusedRun`);
+            ``shape`` is ``(eps, n_heads, head_dim, out_features)``.
+        rotary: float32 (positions, head_dim) cos and sin tables (sin's first half negated), or None.
+        position: the rotary position of the first token fed.
+        k_caches, v_caches: one per block, (1, kv_n_heads, capacity, head_dim) float32, written at
+            ``past .. past + n - 1``.
+        key_mask: (1, 1, capacity) bool contiguous, the keys seen; set True at each fed position.
+        final_norm, final_eps: the final RMSNorm's (d_model,) float32 weight and epsilon.
+        head, head_group: the output layer's ``kernel_tensors()`` (int8 codes, or uint8 int4 codes
+            with ``head_group`` its group size); ``vocab_size`` its outputs.
+        sampling: (temperature > 0, top_k (0: all), top_p (1: all), min_p (0: none)), or None for greedy.
+        uniforms: float64 (steps,), one draw from U[0, 1) per token when sampling.
+
+    Returns:
+        int64 (n,): the new tokens, n <= ``steps`` (fewer where an eos id came).
+
+    Raises:
+        RuntimeError: on arguments other than these (the checks of the operators it runs).
+    """
+    _require()
+    eps, n_heads, head_dim, out_features = shape
+    table, table_scales, rows = embedding
+    cos, sin = rotary if rotary is not None else (None, None)
+    temperature, top_k, top_p, min_p = sampling if sampling is not None else (0.0, 0, 1.0, 0.0)
+    return torch.ops.llm.decode_tokens(token, steps, table, table_scales, rows, norms, eps, weights,
+                                       list(out_features), cos, sin, position, k_caches, v_caches, past, key_mask,
+                                       n_heads, 1.0 / math.sqrt(head_dim), final_norm, final_eps, list(head),
+                                       head_group, vocab_size, list(eos), temperature, top_k, top_p, min_p, uniforms)

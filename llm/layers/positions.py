@@ -105,13 +105,19 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.table_rows(position_ids, highest)
         return Rotation(cos[:, None].to(dtype), sin[:, None].to(dtype))
 
-    def table_rows(self, position_ids: torch.Tensor, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`angles` of CPU ``position_ids`` in [0, ``highest``], read from the table (made,
-        or doubled, to reach ``highest``): float32 (*position_ids.shape, head_dim) each."""
+    def table(self, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU table of :meth:`angles` at positions 0 .. at least ``highest`` (made, or doubled,
+        to reach it): float32 (positions, head_dim) cos and sin, rows as :meth:`table_rows` reads them."""
         if self._table is None or self._table[0].shape[0] <= highest:
             size = max(self._TABLE, 2 * (self._table[0].shape[0] if self._table is not None else 0), highest + 1)
             self._table = self.angles(torch.arange(size))
-        return self._table[0][position_ids], self._table[1][position_ids]
+        return self._table
+
+    def table_rows(self, position_ids: torch.Tensor, highest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`angles` of CPU ``position_ids`` in [0, ``highest``], read from the table (made,
+        or doubled, to reach ``highest``): float32 (*position_ids.shape, head_dim) each."""
+        cos, sin = self.table(highest)
+        return cos[position_ids], sin[position_ids]
 
 
 class Rotation:

@@ -241,6 +241,48 @@ class FusedSteps:
         self._past = past + 1
         return output_logits(model, x, True)[:, -1]
 
+    def tokens(self, token: int, steps: int, eos: tuple[int, ...], sampling: tuple[float, int, float, float] | None = None,
+               uniforms: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Up to ``steps`` new tokens of one unpadded row after ``token`` (the last one emitted, not
+        yet in the cache), each fed back, in one call of :func:`~llm.kernels.cpu_quant.decode_tokens`:
+        the tokens that as many calls of this object and picks give (the same operators on the same
+        arguments), stopping after an id in ``eos``; the cache is as many positions longer.
+        ``sampling``: (temperature, top_k, top_p, min_p) as ``llm::sample_row`` takes them, with
+        ``uniforms`` float64 (steps,) its draws; None for greedy (argmax).
+
+        Returns int64 (n,), or None, with nothing done, where that call does not run the model:
+        what :meth:`__call__` runs on other paths, a batch or padding, learned positions, soft-capped
+        logits, or an embedding or output layer off our kernels.
+        """
+        model, cache = self.model, self.cache
+        head = model.lm_head.kernel_tensors() if hasattr(model.lm_head, "kernel_tensors") else None
+        lookup = getattr(model.wte, "kernel_lookup", None)
+        embedding = lookup() if lookup is not None else (
+            (model.wte.weight, None, 0) if type(model.wte) is torch.nn.Embedding and model.wte.max_norm is None else None)
+        if (head is None or embedding is None or embedding[0].dtype not in (torch.int8, torch.float32)
+                or model.wpe is not None or model.config.alibi or model.config.logit_softcap is not None
+                or steps < 1 or model.training):
+            return None
+        run = fused_weights(model, torch.empty(0, dtype=model.dtype, device=model.device))
+        past = cache.get_seq_length()
+        if run is None or run.shape is None:
+            return None
+        x = inputs.embed(model, torch.tensor([[token]], device=model.device), None)  # the step's checks of the id
+        if (past != self._past or self._keys is None or past + steps > self._keys[0].shape[2]
+                or cache.storage(0)[0] is not self._keys[0] or self._key_mask.shape[0] != 1 or self._shift is not None):
+            cache.reserve(model.config, 1, past + steps, x.dtype, x.device)
+            self._set_up(x, past, None)
+        if self._keys is None:
+            return None
+        rotary = model.rotary.table(past + steps - 1) if model.rotary is not None else None
+        new = cpu_quant.decode_tokens(token, steps, embedding, run.norms, run.weights, run.shape, rotary, past,
+                                      self._keys, self._values, past, self._key_mask, model.norm_f.weight,
+                                      model.norm_f.eps, head, getattr(model.lm_head, "group_size", 0) or 0,
+                                      model.config.vocab_size, eos, sampling, uniforms)
+        cache.set_seq_length(past + len(new))
+        self._past = past + len(new)
+        return new
+
     def _set_up(self, x: torch.Tensor, past: int, attention_mask: torch.Tensor | None) -> None:
         """Check the cache and claim it (as ``forward``), make room for the step, and set up the
         key mask (batch, 1, capacity) of the cached real positions and each row's position shift."""

@@ -355,6 +355,15 @@ class Int8Embedding(_Int8Codes):
             head.kernel_scales = self.kernel_scales
         return head
 
+    def kernel_lookup(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(codes, scales, rows) as ``llm::int8_embedding`` takes them where :meth:`forward` is that
+        operator's float32 lookup (for :func:`llm.kernels.cpu_quant.decode_tokens`), else None."""
+        if self.packed and self.scales_in_lanes and self._scales_dtype == torch.float32:
+            return self.weight, self.kernel_scales, self.num_embeddings
+        if self.packed and not self.scales_in_lanes and self.scales.dtype == torch.float32:
+            return self.weight, self.scales, -1
+        return None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed and self.scales_in_lanes:
             rows = cpu_quant.int8_embedding(self.weight, self.kernel_scales, input_ids.long(), self.num_embeddings)

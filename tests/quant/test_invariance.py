@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llm.cache import DynamicCache, StaticCache
-from llm.generation import compiled
+from llm.data.tokenizer import build_char_tokenizer
+from llm.generation import compiled, decoding
 from llm.kernels import cpu_quant
 from tests.conftest import tiny_model
 
@@ -20,15 +21,16 @@ pytestmark = pytest.mark.usefixtures("cpu_kernels")
 _MODELS: dict = {}
 
 
-def model_for(quantization: str, kv_n_heads: int, learned: bool = False):
+def model_for(quantization: str, kv_n_heads: int, learned: bool = False, tied: bool = False):
     """A small Llama (head_dim 16, 4 query heads) on our kernels, made once per test session;
-    ``learned``: with learned positions instead of rotary ones."""
-    key = (quantization, kv_n_heads, learned)
+    ``learned``: with learned positions instead of rotary ones; ``tied``: the output layer shares
+    the token embedding (an int8 embedding, as a GGUF file's), else a float embedding."""
+    key = (quantization, kv_n_heads, learned, tied)
     if key not in _MODELS:
         positions = dict(learned_pos_emb=True, rope=False) if learned else {}
         _MODELS[key] = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=kv_n_heads, vocab_size=97,
                                   max_seq_len=256, quantization=quantization, kernels="llm", seed=kv_n_heads,
-                                  **positions)
+                                  tie_word_embeddings=tied, **positions)
     return _MODELS[key]
 
 
@@ -248,3 +250,92 @@ def test_sample_row_takes_an_infinite_logit():
     """The largest logit infinite, or overflowing at the temperature: that token, as argmax."""
     assert torch.ops.llm.sample_row(torch.tensor([0.0, 1.0, float("inf"), 1.0]), 1.0, 0, 1.0, 0.0, 0.3) == 2
     assert torch.ops.llm.sample_row(torch.tensor([0.0, 3e38, 1.0]), 0.5, 0, 0.9, 0.0, 0.7) == 1
+
+
+def one_step_at_a_time(model, prompt: torch.Tensor, **options):
+    """generate as it runs and with one Python decoding step per token (no whole-steps call), from
+    the same seed: (its output, the other's, the tokens each decode_tokens call of the first
+    returned); the generator's states after the two are checked to be the same."""
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        real = cpu_quant.decode_tokens
+
+        def counted(*args, **kwargs):
+            new = real(*args, **kwargs)
+            calls.append(len(new))
+            return new
+
+        patch.setattr(cpu_quant, "decode_tokens", counted)
+        torch.manual_seed(options.pop("seed", 0))
+        fast = model.generate(prompt, return_dict_in_generate=True, **options)
+        fast_state = torch.get_rng_state()
+        patch.setattr(decoding.Decoding, "_whole_steps", lambda self, last: None)
+        torch.manual_seed(0)
+        slow = model.generate(prompt, return_dict_in_generate=True, **options)
+        assert torch.equal(fast_state, torch.get_rng_state())
+    return fast, slow, calls
+
+
+@torch.no_grad()
+@SETTINGS
+@given(models, st.booleans(), st.integers(1, 20), st.integers(1, 40),
+       st.sampled_from([None, (1.0, None, None, None), (0.7, 5, 0.9, None), (1.3, None, 0.8, 0.05)]),
+       st.booleans(), st.randoms(use_true_random=False))
+def test_whole_steps_decode_what_one_step_at_a_time_decodes(spec, tied, length, max_new, sampling, eos, rnd):
+    """generate's chunks of decoding steps in one kernel call (FusedSteps.tokens) give the tokens,
+    the cache (contents and length) and the random generator's state that one Python step a token
+    gives, greedy and drawn, stopping at an eos id or at max_new_tokens."""
+    model = model_for(*spec, tied=tied)
+    prompt = torch.tensor([[rnd.randrange(97) for _ in range(length)]])
+    options = dict(max_new_tokens=max_new, do_sample=sampling is not None, eos_token_id=None)
+    if sampling is not None:
+        options.update(temperature=sampling[0], top_k=sampling[1], top_p=sampling[2], min_p=sampling[3])
+    if eos:  # a token the free run emits, so that decoding stops there
+        free = model.generate(prompt, **options, seed=0)[0, length:] if sampling else model.generate(prompt, **options)[0, length:]
+        options["eos_token_id"] = int(free[rnd.randrange(len(free))])
+    fast, slow, calls = one_step_at_a_time(model, prompt, **options)
+    assert torch.equal(fast.sequences, slow.sequences)
+    assert fast.stats["forward_passes"] == slow.stats["forward_passes"]
+    assert sum(calls) == fast.sequences.shape[1] - length - 1  # every token but the prefill's
+    assert fast.past_key_values.get_seq_length() == slow.past_key_values.get_seq_length()
+    for (k1, v1), (k2, v2) in zip(fast.past_key_values.to_legacy(), slow.past_key_values.to_legacy()):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@torch.no_grad()
+def test_whole_steps_stop_inside_a_chunk_at_a_stop_string_with_the_cache_of_the_tokens_emitted():
+    tokenizer = build_char_tokenizer("abcdefgh ")
+    model = tiny_model("llama", d_model=64, n_heads=4, kv_n_heads=2, vocab_size=len(tokenizer), max_seq_len=256,
+                       quantization="int8", kernels="llm", seed=5)
+    prompt = tokenizer("abc", return_tensors="pt").input_ids
+    free = model.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)[0, 3:].tolist()
+    inside = 0
+    for start in range(2, 30, 3):
+        stop = tokenizer.decode(free[start:start + 2])
+        fast, slow, calls = one_step_at_a_time(model, prompt, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                               stop_strings=[stop], tokenizer=tokenizer)
+        new = fast.sequences.shape[1] - 3
+        assert calls and tokenizer.decode(fast.sequences[0, 3:]).endswith(stop) and new <= start + 2
+        assert torch.equal(fast.sequences, slow.sequences)
+        assert fast.past_key_values.get_seq_length() == slow.past_key_values.get_seq_length() == 3 + new - 1
+        inside += new not in (5, 13, 29)  # the ends of the chunks (the prefill's token, then 4, 8, 16)
+    assert inside
+
+
+@torch.no_grad()
+def test_whole_steps_leave_to_one_step_at_a_time_what_they_do_not_run():
+    """A batch, left padding, the repetition penalty, speculative decoding and a model off the
+    fused kernel decode one step at a time, as before."""
+    model = model_for("int4", 2)
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    runs = [dict(input_ids=prompt), dict(input_ids=prompt[:1], attention_mask=mask[:1]),
+            dict(input_ids=prompt[:1], repetition_penalty=1.3), dict(input_ids=prompt[:1], prompt_lookup_num_tokens=3)]
+    for run in runs:
+        ids = run.pop("input_ids")
+        fast, slow, calls = one_step_at_a_time(model, ids, max_new_tokens=9, do_sample=False, **run)
+        assert not calls and torch.equal(fast.sequences, slow.sequences)
+    _, _, calls = one_step_at_a_time(tiny_model("alibi", quantization="int8", kernels="llm"), prompt[:1] % 61,
+                                     max_new_tokens=9, do_sample=False)
+    assert not calls
