@@ -270,11 +270,14 @@ class FusedSteps:
         x = inputs.embed(model, torch.tensor([[token]], device=model.device), None)  # the step's checks of the id
         if (past != self._past or self._keys is None or past + steps > self._keys[0].shape[2]
                 or cache.storage(0)[0] is not self._keys[0] or self._key_mask.shape[0] != 1 or self._shift is not None):
-            cache.reserve(model.config, 1, past + steps, x.dtype, x.device)
-            self._set_up(x, past, None)
+            self._set_up(x, past, None)  # the cache checked and claimed before it grows
+            if self._keys is not None and past + steps > self._keys[0].shape[2]:
+                cache.reserve(model.config, 1, past + steps, x.dtype, x.device)
+                self._set_up(x, past, None)
         if self._keys is None:
             return None
         rotary = model.rotary.table(past + steps - 1) if model.rotary is not None else None
+        self._past = None  # set up again after an error part way, which leaves key mask columns set
         new = cpu_quant.decode_tokens(token, steps, embedding, run.norms, run.weights, run.shape, rotary, past,
                                       self._keys, self._values, past, self._key_mask, model.norm_f.weight,
                                       model.norm_f.eps, head, getattr(model.lm_head, "group_size", 0) or 0,

@@ -339,3 +339,30 @@ def test_whole_steps_leave_to_one_step_at_a_time_what_they_do_not_run():
     _, _, calls = one_step_at_a_time(tiny_model("alibi", quantization="int8", kernels="llm"), prompt[:1] % 61,
                                      max_new_tokens=9, do_sample=False)
     assert not calls
+
+
+@torch.no_grad()
+def test_a_whole_steps_call_that_fails_part_way_leaves_the_next_step_exact():
+    """An error after the kernel wrote some positions (their keys, their key mask columns) leaves
+    the cache's length where it was, and the next step sets its mask up again: forward's logits."""
+    model = model_for("q8_0", 2)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    cache, reference = DynamicCache(), DynamicCache()
+    for c in (cache, reference):
+        model(prompt, past_key_values=c)
+    steps = model.decoding_steps(cache)
+    new = steps.tokens(9, 2, ())  # the kernel runs here: 9 and new[0] fed
+    model(torch.tensor([[9, int(new[0])]]), past_key_values=reference)
+    with pytest.MonkeyPatch.context() as patch:
+        real = cpu_quant.decode_tokens
+
+        def fails(*args, **kwargs):
+            real(*args, **kwargs)
+            raise RuntimeError("part way")
+
+        patch.setattr(cpu_quant, "decode_tokens", fails)
+        with pytest.raises(RuntimeError, match="part way"):
+            steps.tokens(7, 5, ())
+    assert cache.get_seq_length() == 7
+    got = steps(torch.tensor([[8]]))
+    assert torch.equal(got, model(torch.tensor([[8]]), past_key_values=reference).logits[:, -1])
