@@ -322,7 +322,12 @@ class Decoding:
         """The next chunk of (1, n) tokens emitted, decoded in one kernel call
         (:meth:`llm.model.buffer.FusedSteps.tokens`): the tokens, cache and random draws of as many
         one-token steps. None, with nothing done, where it does not run: a batch, padding, the
-        repetition penalty, draws on another device, or a model off the fused kernel."""
+        repetition penalty, draws on another device, or a model off the fused kernel.
+
+        A chunk's draws are taken from the generator when it is decoded, before its tokens are
+        emitted: without ``seed``, code that draws from torch's global generator between two
+        tokens of a stream (a streamer's ``put``, another stream read in turn) takes other numbers
+        than it would one step a token. ``seed`` gives the call a generator of its own."""
         sampler = self.sampler
         generator = sampler.generator if sampler.generator is not None else torch.default_generator
         if (self.steps is None or self.batch != 1 or self.padded or self.seen is not None
@@ -342,8 +347,8 @@ class Decoding:
                 generator.set_state(state)
             return None
         self._chunk = min(2 * self._chunk, _CHUNK_MOST)
-        self.stats["forward_passes"] += len(new)
         chunk = self._emit(new[None])
+        self.stats["forward_passes"] += chunk.shape[1]  # the steps of the tokens kept, as one a token
         if chunk.shape[1] < len(new):  # a stop string inside: the cache of as many steps as tokens emitted
             self.cache.crop(past + chunk.shape[1])
         if state is not None and chunk.shape[1] < k:  # the generator as after the draws of the tokens emitted

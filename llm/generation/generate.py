@@ -101,7 +101,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
     """Greedy or sampled decoding with a KV cache, plain or speculative (transformers' conventions).
 
     The prompt is prefilled in one forward. Each later forward feeds the last new token, plus
-    a draft when speculative decoding is on. If ``past_key_values`` already holds the first L
+    a draft when speculative decoding is on. On our CPU kernels, one unpadded row decodes in
+    chunks of up to 16 such steps in one call (:meth:`llm.model.buffer.FusedSteps.tokens`), the
+    same tokens and cache; a chunk draws its random numbers when it is decoded, so without
+    ``seed`` code that draws from torch's global generator between two tokens (a streamer's
+    ``put``) changes other draws than it would one step at a time. If ``past_key_values`` already holds the first L
     positions of the prompt (a prompt cache, or an earlier ``generate`` call's cache), only
     prompt positions L..T-1 are run, for ``input_ids`` and ``inputs_embeds`` alike. Runs under
     ``torch.no_grad()``: nothing is recorded for autograd.
@@ -126,7 +130,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
         tokenizer: decodes the new tokens for ``stop_strings``.
         streamer: an object with ``put(token_ids)`` and ``end()`` (transformers' protocol,
             e.g. ``transformers.TextStreamer``): it gets the prompt ids first, then each step's
-            new tokens ((n,) for batch 1, else (batch, n)).
+            or chunk's new tokens ((n,) for batch 1, else (batch, n)).
         reference_ids: documents (1-D token tensors) that reference decoding
             (``prompt_lookup_num_tokens``) copies drafts from, besides the prompt and output.
         assistant_model: a smaller MosaicGPT of the same vocabulary that proposes

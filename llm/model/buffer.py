@@ -176,6 +176,17 @@ def forward_static(
     return output_logits(model, x, attn_bias is None and fused_weights(model, x) is not None)
 
 
+def _runs_as_defined(module, method: str) -> bool:
+    """Whether calling ``module`` runs the ``forward`` of the class that defines ``method`` and
+    nothing else: no forward hooks of its own or global ones, no subclass's ``forward``. Where it
+    does, a kernel may compute what the call would without making it."""
+    owner = next((c for c in type(module).__mro__ if method in vars(c)), None)
+    hooks = torch.nn.modules.module
+    return (owner is not None and type(module).forward is owner.forward and not module._forward_hooks
+            and not module._forward_pre_hooks and not hooks._global_forward_hooks
+            and not hooks._global_forward_pre_hooks)
+
+
 class FusedSteps:
     """One-token decoding steps of ``model`` over ``cache``, thin where the fused kernel runs them.
 
@@ -252,13 +263,15 @@ class FusedSteps:
 
         Returns int64 (n,), or None, with nothing done, where that call does not run the model:
         what :meth:`__call__` runs on other paths, a batch or padding, learned positions, soft-capped
-        logits, or an embedding or output layer off our kernels.
+        logits, an embedding or output layer off our kernels, or one whose call would run more
+        than its kernel (forward hooks, a subclass's ``forward``).
         """
         model, cache = self.model, self.cache
-        head = model.lm_head.kernel_tensors() if hasattr(model.lm_head, "kernel_tensors") else None
-        lookup = getattr(model.wte, "kernel_lookup", None)
+        head = model.lm_head.kernel_tensors() if _runs_as_defined(model.lm_head, "kernel_tensors") else None
+        lookup = getattr(model.wte, "kernel_lookup", None) if _runs_as_defined(model.wte, "kernel_lookup") else None
         embedding = lookup() if lookup is not None else (
-            (model.wte.weight, None, 0) if type(model.wte) is torch.nn.Embedding and model.wte.max_norm is None else None)
+            (model.wte.weight, None, 0) if type(model.wte) is torch.nn.Embedding and model.wte.max_norm is None
+            and _runs_as_defined(model.wte, "forward") else None)
         if (head is None or embedding is None or embedding[0].dtype not in (torch.int8, torch.float32)
                 or model.wpe is not None or model.config.alibi or model.config.logit_softcap is not None
                 or steps < 1 or model.training):

@@ -317,6 +317,7 @@ def test_whole_steps_stop_inside_a_chunk_at_a_stop_string_with_the_cache_of_the_
         new = fast.sequences.shape[1] - 3
         assert calls and tokenizer.decode(fast.sequences[0, 3:]).endswith(stop) and new <= start + 2
         assert torch.equal(fast.sequences, slow.sequences)
+        assert fast.stats["forward_passes"] == slow.stats["forward_passes"]
         assert fast.past_key_values.get_seq_length() == slow.past_key_values.get_seq_length() == 3 + new - 1
         inside += new not in (5, 13, 29)  # the ends of the chunks (the prefill's token, then 4, 8, 16)
     assert inside
@@ -324,8 +325,9 @@ def test_whole_steps_stop_inside_a_chunk_at_a_stop_string_with_the_cache_of_the_
 
 @torch.no_grad()
 def test_whole_steps_leave_to_one_step_at_a_time_what_they_do_not_run():
-    """A batch, left padding, the repetition penalty, speculative decoding and a model off the
-    fused kernel decode one step at a time, as before."""
+    """A batch, left padding, the repetition penalty, speculative decoding, a model off the fused
+    kernel, and forward hooks on the embedding or the output layer (their own or global ones, which
+    the kernel would skip) decode one step at a time, as before."""
     model = model_for("int4", 2)
     prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 5, dtype=torch.bool)
@@ -339,6 +341,29 @@ def test_whole_steps_leave_to_one_step_at_a_time_what_they_do_not_run():
     _, _, calls = one_step_at_a_time(tiny_model("alibi", quantization="int8", kernels="llm"), prompt[:1] % 61,
                                      max_new_tokens=9, do_sample=False)
     assert not calls
+    free = model.generate(prompt[:1], max_new_tokens=9, do_sample=False)[0, 5:]
+
+    def ban(module, args, output):  # a logits processor as a hook: the free run's second token never comes
+        output[..., free[1]] = float("-inf")
+        return output
+
+    def count(module, args, output):
+        counted.append(1)
+
+    for module, hook, where in ((model.lm_head, ban, "own"), (model.wte, count, "own"), (model.lm_head, ban, "global")):
+        counted = []
+        if where == "own":
+            handle = module.register_forward_hook(hook)
+        else:
+            handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, a, o: ban(m, a, o) if m is model.lm_head else o)
+        try:
+            fast, slow, calls = one_step_at_a_time(model, prompt[:1], max_new_tokens=9, do_sample=False)
+        finally:
+            handle.remove()
+        assert not calls and torch.equal(fast.sequences, slow.sequences)
+        assert hook is count or int(free[1]) not in fast.sequences[0, 5:].tolist()
+        assert hook is ban or len(counted) == 2 * 9  # a lookup a token, in each of the two runs
 
 
 @torch.no_grad()
