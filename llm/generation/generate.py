@@ -105,10 +105,10 @@ def generate(model, input_ids: torch.Tensor | None = None, *, generation_config:
     chunks of up to 16 such steps in one call (:meth:`llm.model.buffer.FusedSteps.tokens`), the
     same tokens and cache; a chunk draws its random numbers when it is decoded, so without
     ``seed`` code that draws from torch's global generator between two tokens (a streamer's
-    ``put``) changes other draws than it would one step at a time. If ``past_key_values`` already holds the first L
-    positions of the prompt (a prompt cache, or an earlier ``generate`` call's cache), only
-    prompt positions L..T-1 are run, for ``input_ids`` and ``inputs_embeds`` alike. Runs under
-    ``torch.no_grad()``: nothing is recorded for autograd.
+    ``put``) changes other draws than it would one step at a time. If ``past_key_values``
+    already holds the first L positions of the prompt (a prompt cache, or an earlier
+    ``generate`` call's cache), only prompt positions L..T-1 are run, for ``input_ids`` and
+    ``inputs_embeds`` alike. Runs under ``torch.no_grad()``: nothing is recorded for autograd.
 
     Args:
         model: a :class:`~llm.model.MosaicGPT`.

@@ -231,12 +231,7 @@ class FusedSteps:
                 or (model.wpe is not None and past + 1 > model.config.max_seq_len)
                 or (mask is not None and (tuple(mask.shape) != (x.shape[0], past + 1) or not bool(mask[:, -1].all())))):
             return self._forward(input_ids, attention_mask)
-        if (past != self._past or self._keys is None or past + 1 > self._keys[0].shape[2]
-                or cache.storage(0)[0] is not self._keys[0] or x.shape[0] != self._key_mask.shape[0]
-                or (mask is None) != (self._shift is None)
-                or (mask is not None and not torch.equal(mask[:, :past], self._key_mask[:, 0, :past]))):
-            self._set_up(x, past, mask)
-        if self._keys is None:  # storage the kernel does not take
+        if not self._ready(x, past, mask, 1):  # storage the kernel does not take
             return self._forward(input_ids, attention_mask)
         self._key_mask[:, 0, past] = True
         cache_position = self._buffer_positions[past:past + 1]
@@ -266,7 +261,7 @@ class FusedSteps:
         logits, an embedding or output layer off our kernels, or one whose call would run more
         than its kernel (forward hooks, a subclass's ``forward``).
         """
-        model, cache = self.model, self.cache
+        model = self.model
         head = model.lm_head.kernel_tensors() if _runs_as_defined(model.lm_head, "kernel_tensors") else None
         lookup = getattr(model.wte, "kernel_lookup", None) if _runs_as_defined(model.wte, "kernel_lookup") else None
         embedding = lookup() if lookup is not None else (
@@ -276,18 +271,10 @@ class FusedSteps:
                 or model.wpe is not None or model.config.alibi or model.config.logit_softcap is not None
                 or steps < 1 or model.training):
             return None
-        run = fused_weights(model, torch.empty(0, dtype=model.dtype, device=model.device))
-        past = cache.get_seq_length()
-        if run is None or run.shape is None:
-            return None
         x = inputs.embed(model, torch.tensor([[token]], device=model.device), None)  # the step's checks of the id
-        if (past != self._past or self._keys is None or past + steps > self._keys[0].shape[2]
-                or cache.storage(0)[0] is not self._keys[0] or self._key_mask.shape[0] != 1 or self._shift is not None):
-            self._set_up(x, past, None)  # the cache checked and claimed before it grows
-            if self._keys is not None and past + steps > self._keys[0].shape[2]:
-                cache.reserve(model.config, 1, past + steps, x.dtype, x.device)
-                self._set_up(x, past, None)
-        if self._keys is None:
+        run = fused_weights(model, x)
+        past = self.cache.get_seq_length()
+        if run is None or run.shape is None or not self._ready(x, past, None, steps):
             return None
         rotary = model.rotary.table(past + steps - 1) if model.rotary is not None else None
         self._past = None  # set up again after an error part way, which leaves key mask columns set
@@ -295,18 +282,29 @@ class FusedSteps:
                                       self._keys, self._values, past, self._key_mask, model.norm_f.weight,
                                       model.norm_f.eps, head, getattr(model.lm_head, "group_size", 0) or 0,
                                       model.config.vocab_size, eos, sampling, uniforms)
-        cache.set_seq_length(past + len(new))
+        self.cache.set_seq_length(past + len(new))
         self._past = past + len(new)
         return new
 
-    def _set_up(self, x: torch.Tensor, past: int, attention_mask: torch.Tensor | None) -> None:
-        """Check the cache and claim it (as ``forward``), make room for the step, and set up the
-        key mask (batch, 1, capacity) of the cached real positions and each row's position shift."""
+    def _ready(self, x: torch.Tensor, past: int, mask: torch.Tensor | None, new: int) -> bool:
+        """Whether the kernel can take the next ``new`` positions after ``past``, with the key
+        mask and storages set up again (:meth:`_set_up`) unless what the last step left still
+        holds: the cache's length and storage, room for them, the batch and the mask's columns."""
+        if (past != self._past or self._keys is None or past + new > self._keys[0].shape[2]
+                or self.cache.storage(0)[0] is not self._keys[0] or x.shape[0] != self._key_mask.shape[0]
+                or (mask is None) != (self._shift is None)
+                or (mask is not None and not torch.equal(mask[:, :past], self._key_mask[:, 0, :past]))):
+            self._set_up(x, past, mask, new)
+        return self._keys is not None
+
+    def _set_up(self, x: torch.Tensor, past: int, attention_mask: torch.Tensor | None, new: int) -> None:
+        """Check the cache and claim it (as ``forward``), make room for ``new`` positions, and set up
+        the key mask (batch, 1, capacity) of the cached real positions and each row's position shift."""
         model, cache = self.model, self.cache
         batch = x.shape[0]
         cache.validate(model.config, batch, 1, model.dtype)
         cache.claim(model)
-        cache.reserve(model.config, batch, past + 1, x.dtype, x.device)
+        cache.reserve(model.config, batch, past + new, x.dtype, x.device)
         self._keys, self._values = cache.storages()
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in self._keys + self._values):
             self._keys = self._values = self._past = None
