@@ -94,8 +94,7 @@ def load_model(args: argparse.Namespace):
 
     The tokenizer is loaded first: its transient memory (a GGUF file's parsed vocabulary) then
     comes before the model's, not on top of it. Both load in
-    :func:`llm.formats.gguf.reader.preloading` (one parse of a GGUF file's header; its blocks'
-    memory faulted in while the tokenizer is parsed).
+    :func:`llm.formats.gguf.reader.preloading` (one parse of a GGUF file's header).
 
     Raises:
         ValueError / FileNotFoundError: as ``load_tokenizer`` and ``MosaicGPT.from_pretrained``,
@@ -110,7 +109,7 @@ def load_model(args: argparse.Namespace):
 
     set_threads(args.threads)
     options = {"device": args.device, "quantization": args.quantize, "backend": args.backend}
-    with preloading(args.model, **options):
+    with preloading(args.model):
         tokenizer = load_tokenizer(args.model)
         model = MosaicGPT.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **options)
     check_tokenizer_fits(tokenizer, model, args.model)

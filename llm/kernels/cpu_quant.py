@@ -39,7 +39,6 @@ import io
 import logging
 import math
 import mmap
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -389,21 +388,6 @@ class HugePages:
             self._populate = _fault_in(self._arena.data_ptr() + start, self._used + size - start)
         self._used += -(-size // 64) * 64
         return view
-
-    def fault_in(self, nbytes: int) -> threading.Thread | None:
-        """Start faulting in the region's next ``nbytes`` (from where :meth:`empty` places the next
-        tensor) on a thread of its own (:func:`llm.utils.memory.fault_in`): a load's other work,
-        such as parsing the tokenizer, runs meanwhile, and what is placed there later is in memory
-        already. Zeroing fresh pages took 0.015 s or 0.22 s for SmolLM2's 90 MB on a Zen 4 guest
-        (the second where the hypervisor backs them anew). Returns the thread, or None where this platform cannot."""
-        if not self._populate or nbytes <= 0:
-            return None
-        start = self._used // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(self._used + nbytes, self._arena.numel())
-        thread = threading.Thread(target=_fault_in, args=(self._arena.data_ptr() + start, end - start),
-                                  name="llm-fault-in", daemon=True)
-        thread.start()
-        return thread
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies in the region."""

@@ -513,12 +513,13 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 
 def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
-    # arrays of strings (empty, unicode) and of scalar types: our reader walks
-    # them without the stock reader's per-element recursion, and must build the same fields
+    # arrays of strings (empty, unicode, with a NUL, which field() decodes one by one) and of scalar
+    # types: our reader walks them without the stock reader's per-element recursion, and must
+    # build the same fields
     import gguf
 
-    extra = {"tok.strings": ["a", "", "naïve ✓", "x" * 300], "tok.ints": [3, -1, 7], "tok.floats": [0.5, -2.0],
-             "tok.bools": [True, False], "tok.one": "one string"}
+    extra = {"tok.strings": ["a", "", "naïve ✓", "x" * 300, ""], "tok.nul": ["a\0b", "", "\0"],
+             "tok.ints": [3, -1, 7], "tok.floats": [0.5, -2.0], "tok.bools": [True, False], "tok.one": "one string"}
     path = tmp_path / "arrays.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in extra.items():
@@ -535,7 +536,7 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
     assert list(ours.fields) == list(stock.fields)
     for key, field in stock.fields.items():
         mine = ours.fields[key]
-        assert (mine.data, mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
+        assert (list(mine.data), mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
         assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
     assert ours.fields["tok.strings"].contents() == extra["tok.strings"]
     for key, value in extra.items():  # field() reads a whole array without making its parts
@@ -580,7 +581,7 @@ def test_a_load_leaves_none_of_the_files_pages_in_memory(quantization):
     from llm.formats.gguf.reader import preloading
     from llm.utils.gguf import read_gguf
 
-    with preloading(GGUF, quantization=quantization):
+    with preloading(GGUF):
         reader = read_gguf(GGUF)
         MosaicGPT.from_pretrained(GGUF, quantization=quantization)
         present, pages = _present_pages(reader.data, 0, len(reader.data))
@@ -632,17 +633,29 @@ def test_an_unchanged_file_held_open_is_read_once(tmp_path):
     assert read_gguf(path) is not held
 
 
+def _regions(monkeypatch) -> list:
+    """The huge-page regions (cpu_quant.HugePages) that loads make from here on, as they are made."""
+    made, original = [], gguf_module.cpu_quant.HugePages
+
+    def record(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(gguf_module.cpu_quant, "HugePages", record)
+    return made
+
+
 @pytest.mark.skipif(not gguf_module.cpu_quant.available(), reason="needs our CPU kernels (their huge pages)")
 @pytest.mark.parametrize("mix", [("Q4_0",) * 4, ("Q8_0",) * 4, ("Q4_1",) * 4, ("Q4_0", "Q8_0", "Q4_0", "Q4_0"),
                                  ("Q8_0", "Q4_1", "Q4_1", "Q4_1"), ("Q4_0", "Q4_1", "Q4_0", "Q8_0")])
-def test_what_is_faulted_in_ahead_is_used(tmp_path, mix):
-    """The bytes preloading faults in ahead (_region_bytes' lower bound) are at most those the
-    load places in the region, whatever mix of types (query, key and value, output projection,
+def test_the_bytes_advised_for_huge_pages_are_filled(tmp_path, monkeypatch, mix):
+    """The bytes a load advises for huge pages (_region_bytes' lower bound) are at most those it
+    places in the region, whatever mix of types (query, key and value, output projection,
     feed-forward) the fused qkv and the other layers hold: a mixed qkv is requantized, to fewer
-    bytes than its file's."""
+    bytes than its file's, and a huge page advised past the filled bytes would be taken whole."""
     from gguf import GGMLQuantizationType as Q
 
-    from llm.formats.gguf.reader import _region_bytes, preloading
+    from llm.formats.gguf.reader import _region_bytes
     from llm.utils.gguf import read_gguf
 
     model = tiny_hf_llama()
@@ -653,30 +666,36 @@ def test_what_is_faulted_in_ahead_is_used(tmp_path, mix):
                   f"blk.{i}.attn_output.weight": out,
                   **{f"blk.{i}.ffn_{part}.weight": ffn for part in ("gate", "up", "down")}}
     path = write_gguf(tmp_path / "mix.gguf", model, types)
-    with preloading(path):
-        pages = read_gguf(path)._llm_pages
-        start = pages._used
-        MosaicGPT.from_pretrained(path)
+    made = _regions(monkeypatch)
+    MosaicGPT.from_pretrained(path)
+    (pages,) = made
+    start = -pages._arena.data_ptr() % gguf_module.cpu_quant.HUGE_PAGE  # where the region's first tensor goes
     assert 0 < _region_bytes(read_gguf(path))[1] <= pages._used - start
 
 
 @needs_file
 @pytest.mark.skipif(not gguf_module.cpu_quant.available(), reason="needs our CPU kernels (their huge pages)")
-def test_preloading_gives_the_same_model_in_the_pages_made_ahead():
-    """In preloading(), the tokenizer and the model share one reader, the model's blocks take the
-    huge pages made (and being faulted in) ahead, and the model is the one a plain load gives,
-    bit for bit. Other options, a bundle or a missing file: nothing made ahead, the loads as usual."""
+def test_preloading_shares_one_reader_and_gives_the_same_model(monkeypatch):
+    """In preloading(), the tokenizer and the model share one parse of the file's header, and the
+    model is the one a plain load gives, bit for bit, its blocks and output codes in huge pages.
+    A missing file: the load in the block raises its own error."""
+    import llm.utils.gguf as gguf_utils
     from llm.formats.gguf.reader import preloading
-    from llm.utils.gguf import read_gguf
 
     plain = MosaicGPT.from_pretrained(GGUF)
+    parses, parse = [], gguf_utils._reader_class
+
+    def counted():
+        parses.append(1)
+        return parse()
+
+    monkeypatch.setattr(gguf_utils, "_reader_class", counted)
+    made = _regions(monkeypatch)
     with preloading(GGUF):
-        reader = read_gguf(GGUF)
-        pages = reader._llm_pages
         tokenizer = load_tokenizer(GGUF)
         model = MosaicGPT.from_pretrained(GGUF)
-        assert "_llm_pages" not in vars(reader)  # taken by the load
-    assert len(tokenizer) == 49152
+    assert len(parses) == 1 and len(tokenizer) == 49152
+    (pages,) = made
     blocks = [t for name, m in model.named_modules() if name.startswith("blocks.") and hasattr(m, "kernel_tensors")
               for t in m.kernel_tensors() if t is not None]
     assert len(blocks) == 30 * 5 * 3 and all(pages.holds(t) for t in blocks)  # Q4_1: codes, scales, mins
@@ -684,12 +703,6 @@ def test_preloading_gives_the_same_model_in_the_pages_made_ahead():
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314], [2, 2, 1, 9384, 28, 5]])
     mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
     assert torch.equal(model(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
-    for options in ({"quantization": "none"}, {"backend": "torch"}, {"quantization": "int8"}):
-        with preloading(GGUF, **options):
-            assert "_llm_pages" not in vars(read_gguf(GGUF))
     with preloading(REPO_ROOT / "no-such-model.gguf"):
         with pytest.raises(FileNotFoundError, match="no-such-model.gguf"):
             MosaicGPT.from_pretrained(REPO_ROOT / "no-such-model.gguf")
-    with preloading(GGUF):
-        pass
-    assert "_llm_pages" not in vars(read_gguf(GGUF))  # left unused: given back with the block

@@ -198,22 +198,6 @@ def test_huge_pages_stop_at_the_last_whole_one_of_what_is_surely_filled():
     assert "hg" not in _vm_flags(none._arena.data_ptr() + none._used)
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
-def test_huge_pages_fault_in_ahead_on_a_thread_of_their_own():
-    """fault_in(n) puts the region's next n bytes (from where the next tensor goes) in memory on
-    its own thread, and no more of the region."""
-    pages = cpu_quant.HugePages(64 << 20)
-    pages.empty((1000,), torch.uint8)
-    base = pages._arena.data_ptr()
-    thread = pages.fault_in(5 << 20)
-    if thread is None:
-        pytest.skip("this kernel cannot fault a range in (MADV_POPULATE_WRITE, Linux 5.14+)")
-    thread.join(timeout=30)
-    assert not thread.is_alive() and thread.name == "llm-fault-in"
-    assert (5 << 20) <= _resident_bytes(base) <= (8 << 20)
-    assert pages.fault_in(0) is None
-
-
 @pytest.mark.skipif(cpu_quant.unavailable() is not None, reason="needs our CPU kernels")
 def test_q8_0_blocks_pack_into_the_int8_layout_in_one_pass():
     """The file's Q8_0 rows packed in one pass (fresh, into huge pages, or into a slice of a larger

@@ -539,8 +539,8 @@ def _load(reader, *, dtype: torch.dtype | None, device: torch.device | str | Non
     act = default_activation_dtype(model.device)
     report = QuantizationReport("int4", 32, str(act).removeprefix("torch."), source="gguf", backend=backend)
     pages = None
-    if _huge_pages_apply(model.device, backend):  # made ahead by preloading(), else now
-        pages = reader.__dict__.pop("_llm_pages", None) or cpu_quant.HugePages(*_region_bytes(reader))
+    if _huge_pages_apply(model.device, backend):
+        pages = cpu_quant.HugePages(*_region_bytes(reader))
     for i, name in enumerate(projections(model)):
         parts = sources[name + ".weight"]
         linear = model.get_submodule(name)
@@ -602,40 +602,34 @@ def _region_bytes(reader) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def preloading(name_or_path: str | os.PathLike, *, device: torch.device | str | None = None,
-               quantization: str | None = None, backend: str = "auto"):
-    """Within the block, a GGUF file (a ``.gguf`` path or a registered name) that the block loads
-    with these options (as :func:`load_gguf`'s) is opened once, and its model's memory is made
-    ready meanwhile: its header is parsed here and kept for the block, so that
-    :func:`~llm.data.tokenizer.load_tokenizer` and ``MosaicGPT.from_pretrained`` share it
-    (:func:`~llm.utils.gguf.read_gguf`), and the huge pages its blocks will take start being
-    faulted in on a thread of their own (:meth:`llm.kernels.cpu_quant.HugePages.fault_in`), while
-    the block parses the tokenizer. The commands load ``with preloading(...)``: SmolLM2's tokenizer
-    and model took 0.27-0.30 s against 0.30 s without, and 0.34-0.45 s against 0.51-0.52 s in runs
-    where the hypervisor backed fresh pages slowly (Zen 4 guest, alternating processes).
+def preloading(name_or_path: str | os.PathLike):
+    """Within the block, a GGUF file (a ``.gguf`` path or a registered name) is opened once: its
+    header is parsed here and kept for the block, so that :func:`~llm.data.tokenizer.load_tokenizer`
+    and ``MosaicGPT.from_pretrained`` share it (:func:`~llm.utils.gguf.read_gguf`). The commands
+    load ``with preloading(...)``.
 
-    Anything else (a bundle, other options, an unreadable file) loads as without it: the loads in
-    the block raise their own errors.
+    Faulting the blocks' huge pages in on a thread of their own meanwhile, while the block parsed
+    the tokenizer, made SmolLM2's tokenizer and model load slower, not faster: 0.51 s against 0.33 s
+    (medians of 10 alternating processes, 2-core Zen 4 guest); that thread took 0.25-0.33 s for
+    90 MB, contending with the tokenizer for the interpreter lock and the memory map's, where the
+    thread that places each tensor faults its pages in (:class:`llm.kernels.cpu_quant.HugePages`).
+
+    Anything else (a bundle, an unreadable file) loads as without it: the loads in the block raise
+    their own errors.
     """
     from llm.utils.pretrained import resolve
 
     reader = None
     try:
         kind, path = resolve(name_or_path)
-        device = torch.device(device or "cpu")
-        if kind == "gguf" and quantization in (None, "gguf") and _huge_pages_apply(device, backend):
+        if kind == "gguf":
             reader = read_gguf(path)
     except (OSError, ValueError):  # the load in the block says what is wrong
         reader = None
-    if reader is not None and (quantization == "gguf" or _quantized(reader)):
-        room, placed = _region_bytes(reader)
-        reader._llm_pages = cpu_quant.HugePages(room, placed)  # taken by load_gguf, once
-        reader._llm_pages.fault_in(placed)
     try:
         yield
     finally:
-        if reader is not None:
-            reader.__dict__.pop("_llm_pages", None)  # not loaded in the block: given back with it
+        del reader  # held until here: the block's reads of the file share it
 
 
 def _quantized(reader) -> bool:
