@@ -57,23 +57,36 @@ class _Parts(Sequence):
     def strings(self) -> list[str]:
         """Every string of a string array, decoded as UTF-8.
 
-        Decoded as one text: the array's bytes with each string's 8-byte length dropped and a NUL
-        put before it, split at the NULs (SmolLM2's 49,152 tokens in 0.011 s, against 0.017 s one
-        decode a string); one by one where a string holds a NUL itself."""
-        if not len(self.starts):
+        An array of short strings (a vocabulary's, its merges) is decoded as one text: the
+        array's bytes with each string's 8-byte length dropped and a NUL put before it, split at
+        the NULs (SmolLM2's 49,152 tokens in 0.007-0.011 s, against 0.016 s one decode a string).
+        Long strings, a string that holds a NUL itself and bytes that are not UTF-8 are decoded
+        one by one (an error then gives the position in its string, as the stock reader's)."""
+        count = len(self.starts)
+        if not count:
             return []
         first = int(self.starts[0])
-        block = self.raw[first:self.end]
-        prefixes = (self.starts - first)[:, None] + np.arange(8)  # each string's length bytes
-        keep = np.ones(len(block), dtype=bool)
-        keep[prefixes[:, 1:].ravel()] = False
-        joined = block[keep]
-        joined[prefixes[:, 0] - 7 * np.arange(len(self.starts))] = 0
-        texts = str(joined[1:].tobytes(), "utf-8").split("\0")
-        if len(texts) == len(self.starts):
-            return texts
+        if self.end - first <= _SHORT_STRINGS * count:
+            block = self.raw[first:self.end]
+            prefixes = (self.starts - first)[:, None] + np.arange(8)  # each string's length bytes
+            keep = np.ones(len(block), dtype=bool)
+            keep[prefixes[:, 1:].ravel()] = False
+            joined = block[keep]
+            joined[prefixes[:, 0] - 7 * np.arange(count)] = 0
+            try:
+                texts = str(joined[1:].tobytes(), "utf-8").split("\0")
+            except UnicodeDecodeError:
+                texts = []
+            if len(texts) == count:
+                return texts
         raw, ends = self.raw.data, [*self.starts[1:].tolist(), self.end]
         return [str(raw[s + 8:e], "utf-8") for s, e in zip(self.starts.tolist(), ends)]
+
+
+#: bytes a string (its length included) up to which an array's strings are decoded as one text
+#: (:meth:`_Parts.strings`): for 2,000 strings of 5,000 characters that took 0.012 s, against
+#: 0.003 s one by one
+_SHORT_STRINGS = 64
 
 
 def _reader_class():
@@ -147,8 +160,8 @@ def _reader_class():
                     parts = field_parts
                 else:
                     parts = head + field_parts
-                if isinstance(field_idxs, range):  # an array's: a range (ReaderField.data), not 100k ints
-                    field_idxs = range(field_idxs.start + len(head), field_idxs.stop + len(head), field_idxs.step)
+                if isinstance(field_idxs, range):  # an array's: a list as the stock reader's, made at C speed
+                    field_idxs = list(range(field_idxs.start + len(head), field_idxs.stop + len(head), field_idxs.step))
                 else:
                     field_idxs = [idx + len(head) for idx in field_idxs]
                 self._push_field(gguf.ReaderField(orig_offs, str(bytes(kv_kdata), encoding="utf-8"), parts,

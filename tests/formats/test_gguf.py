@@ -519,7 +519,8 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
     import gguf
 
     extra = {"tok.strings": ["a", "", "naïve ✓", "x" * 300, ""], "tok.nul": ["a\0b", "", "\0"],
-             "tok.ints": [3, -1, 7], "tok.floats": [0.5, -2.0], "tok.bools": [True, False], "tok.one": "one string"}
+             "tok.long": ["y" * 5000, "z" * 3000], "tok.ints": [3, -1, 7], "tok.floats": [0.5, -2.0],
+             "tok.bools": [True, False], "tok.one": "one string"}
     path = tmp_path / "arrays.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in extra.items():
@@ -536,11 +537,32 @@ def test_our_reader_gives_the_stock_readers_fields_part_for_part(tmp_path):
     assert list(ours.fields) == list(stock.fields)
     for key, field in stock.fields.items():
         mine = ours.fields[key]
-        assert (list(mine.data), mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
+        assert (mine.data, mine.types, mine.contents()) == (field.data, field.types, field.contents()), key
         assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], key
     assert ours.fields["tok.strings"].contents() == extra["tok.strings"]
     for key, value in extra.items():  # field() reads a whole array without making its parts
         assert read_field(ours, key) == read_field(stock, key) == value, key
+
+
+def test_a_string_array_that_is_not_utf8_is_refused_as_the_stock_reader_refuses_it(tmp_path):
+    # decoded as one text, the error's position would be the array's, not the string's
+    import gguf
+
+    from llm.utils.gguf import read_gguf
+
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tok.bad", ["ok", "fine", b"a\xc3"])  # the last string: half a 2-byte character
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnicodeDecodeError) as stock:
+        gguf.GGUFReader(path).fields["tok.bad"].contents()
+    with pytest.raises(ValueError, match=r"bad\.gguf: cannot read metadata 'tok\.bad'") as ours:
+        read_field(read_gguf(path), "tok.bad")
+    assert str(ours.value).endswith(str(stock.value))
 
 
 def _present_pages(array: np.ndarray, start: int, end: int) -> tuple[int, int]:
