@@ -611,8 +611,9 @@ def preloading(name_or_path: str | os.PathLike):
     Faulting the blocks' huge pages in on a thread of their own meanwhile, while the block parsed
     the tokenizer, made SmolLM2's tokenizer and model load slower, not faster: 0.51 s against 0.33 s
     (medians of 10 alternating processes, 2-core Zen 4 guest); that thread took 0.25-0.33 s for
-    90 MB, contending with the tokenizer for the interpreter lock and the memory map's, where the
-    thread that places each tensor faults its pages in (:class:`llm.kernels.cpu_quant.HugePages`).
+    90 MB (about 0.01 s alone), most likely contending with the tokenizer for the interpreter lock
+    and the memory map's. The thread that places each tensor faults its pages in
+    (:class:`llm.kernels.cpu_quant.HugePages`).
 
     Anything else (a bundle, an unreadable file) loads as without it: the loads in the block raise
     their own errors.
