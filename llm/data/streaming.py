@@ -282,6 +282,31 @@ class TokenDataset(StreamingDataset):
 _PREFIX_ATTEMPTS = 5
 
 
+@contextlib.contextmanager
+def _registering():
+    """Within the block, this process holds the machine's dataset lock if it is its node's local
+    leader (Streaming's ``World``), and takes nothing otherwise.
+
+    Streaming registers a dataset's shared memory at the first free prefix: each rank of a job finds
+    that prefix on its own, then the leader creates it, and the other ranks read what is there.
+    Another process that took the same prefix in between handed the other ranks its registration:
+    "shared memory registered does not match local leader". That was seen with two pytest workers,
+    one of them running a two-rank training. The leader holds the lock from before the ranks look
+    until its registration is made. The other ranks need no lock: they meet the leader at
+    Streaming's barriers inside the block. The lock is a file in the temporary directory, one per
+    user (``filelock``, which torch requires), and it is released if the process dies.
+    """
+    from filelock import FileLock
+    from streaming.base.world import World
+
+    if not World.detect().is_local_leader:
+        yield
+        return
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    with FileLock(os.path.join(tempfile.gettempdir(), f"llm-streaming-register-{user}.lock")):
+        yield
+
+
 def build_token_dataset(
     sources: list[PreparedSplit],
     dataset_cfg: Mapping[str, Any],
@@ -320,10 +345,12 @@ def build_token_dataset(
     options.setdefault("shuffle_seed", seed)
     for attempt in range(_PREFIX_ATTEMPTS):
         try:
-            return TokenDataset(streams=streams(), batch_size=device_batch_size, **options)
+            with _registering():
+                return TokenDataset(streams=streams(), batch_size=device_batch_size, **options)
         except FileExistsError:
-            # Streaming finds the first free shared-memory prefix, then creates it: another process
-            # of this machine (a second job) can create the same one in between. Look again.
+            # Streaming finds the first free shared-memory prefix, then creates it: a process of this
+            # machine that does not take _registering's lock can create the same one in between.
+            # Look again (one process; the ranks of a job would no longer meet at the same barriers).
             if attempt == _PREFIX_ATTEMPTS - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))

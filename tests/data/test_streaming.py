@@ -2,6 +2,7 @@
 proportion, from a local folder or a remote one, with the data checks that refuse what does not fit."""
 
 import gc
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -205,3 +206,50 @@ def test_a_shared_memory_prefix_taken_by_another_process_meanwhile_is_looked_up_
     monkeypatch.setattr(streaming.TokenDataset, "__init__", racing)
     dataset = _dataset(resolve_sources({"local": str(corpora / "a")}, "train"), {}, 32)
     assert len(calls) == 2 and len(dataset) > 0
+
+
+def _lock_is_held() -> bool:
+    """Whether some holder (another process, or another open of it in this one) has the machine's
+    dataset lock."""
+    import tempfile
+
+    from filelock import FileLock, Timeout
+
+    try:
+        with FileLock(Path(tempfile.gettempdir()) / f"llm-streaming-register-{os.getuid()}.lock", timeout=0):
+            return False
+    except Timeout:
+        return True
+
+
+def test_a_dataset_is_built_holding_the_machines_dataset_lock(corpora, monkeypatch):
+    """The node's local leader (a process alone is one) builds a dataset holding the machine's
+    lock, so that no other job registers Streaming's shared memory meanwhile."""
+    from llm.data import streaming
+
+    real, held = streaming.TokenDataset.__init__, []
+
+    def probing(self, *args, **kwargs):
+        held.append(_lock_is_held())
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(streaming.TokenDataset, "__init__", probing)
+    assert not _lock_is_held()
+    _dataset(resolve_sources({"local": str(corpora / "a")}, "train"), {}, 32)
+    assert held == [True] and not _lock_is_held()
+
+
+@pytest.mark.parametrize("leader", [True, False])
+def test_only_the_node_leader_takes_the_machines_dataset_lock(monkeypatch, leader):
+    """The node's other ranks take no lock: they meet the leader, which holds it, at Streaming's
+    barriers inside the block, and would wait for it for ever."""
+    from types import SimpleNamespace
+
+    from streaming.base.world import World
+
+    from llm.data.streaming import _registering
+
+    monkeypatch.setattr(World, "detect", classmethod(lambda cls: SimpleNamespace(is_local_leader=leader)))
+    with _registering():
+        assert _lock_is_held() == leader
+    assert not _lock_is_held()
