@@ -17,6 +17,7 @@ resumption (:class:`TokenStream`).
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import tempfile
@@ -302,7 +303,7 @@ def _registering():
     if not World.detect().is_local_leader:
         yield
         return
-    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    user = os.getuid() if hasattr(os, "getuid") else getpass.getuser()  # getlogin needs a terminal
     with FileLock(os.path.join(tempfile.gettempdir(), f"llm-streaming-register-{user}.lock")):
         yield
 

@@ -6,6 +6,7 @@ which dequantizes and un-permutes the query/key rows independently of ours: a wr
 rotate the wrong pairs of coordinates and the logits would not match.
 """
 
+import gc
 import mmap
 import os
 
@@ -631,8 +632,6 @@ def test_the_head_is_packed_block_by_block_as_the_whole_table_would_be(tmp_path,
 def test_an_unchanged_file_held_open_is_read_once(tmp_path):
     """While a reader of a file is held, reading the same unchanged file gives it (its header is
     parsed once); released, or the file changed, it is read again."""
-    import gc
-
     from llm.utils.gguf import read_gguf
 
     path = write_gguf(tmp_path / "tiny.gguf", tiny_hf_llama())
@@ -713,6 +712,7 @@ def test_preloading_shares_one_reader_and_gives_the_same_model(monkeypatch):
 
     monkeypatch.setattr(gguf_utils, "_reader_class", counted)
     made = _regions(monkeypatch)
+    gc.collect()  # no reader of the file left from before (read_gguf would give it, unparsed)
     with preloading(GGUF):
         tokenizer = load_tokenizer(GGUF)
         model = MosaicGPT.from_pretrained(GGUF)
